@@ -1,0 +1,271 @@
+"""Command line: `pylon serve`, `pylon mock-engine`, `pylon call`.
+
+Every `serve` flag maps to one settings key (the table below), so a flag, its
+`PYLON_*` environment variable and its config-file key always mean the same
+thing. A bad flag or value exits non-zero with one readable line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from backends.mock import ENGINE_FLAVOURS, MockEngineOptions, serve_forever
+from backends.registry import BACKEND_TYPES
+from pylon.app import StartupError, start_pylon
+from pylon.config import Settings, load_settings, split_host_port
+from pylon.logs import configure_logging
+
+
+def parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in {"1", "true", "yes", "on"}:
+        return True
+    if lowered in {"0", "false", "no", "off"}:
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+@dataclass(frozen=True)
+class Flag:
+    flag: str
+    key: str
+    """Dotted settings key, e.g. "upstream.url"."""
+    help: str
+    type: Callable[[str], Any] = str
+    metavar: str | None = None
+    boolean: bool = False
+    """A switch: `--flag`, `--flag=false`, and `--no-flag` all work."""
+
+
+SERVE_FLAGS: tuple[Flag, ...] = (
+    Flag("--listen", "listen", "UDP HOST:PORT of the HTTP/3 tunnel", metavar="HOST:PORT"),
+    Flag(
+        "--upstream", "upstream.url", "engine base URL, e.g. http://127.0.0.1:8000", metavar="URL"
+    ),
+    Flag(
+        "--backend", "backend.type", f"engine adapter: {', '.join(BACKEND_TYPES)}", metavar="TYPE"
+    ),
+    Flag("--cert", "tls.cert_file", "PEM certificate chain", metavar="FILE"),
+    Flag("--key", "tls.key_file", "PEM private key", metavar="FILE"),
+    Flag("--dev", "dev", "generated certificate, built-in mock engine, human logs", boolean=True),
+    Flag(
+        "--derive-priority", "derive_priority", "derive engine priority (kill switch)", boolean=True
+    ),
+    Flag("--priority-ceiling", "priority.ceiling", "least urgent platform level", int, "N"),
+    Flag(
+        "--priority-absent",
+        "priority.absent",
+        "absent x-priority: lowest or omit",
+        metavar="POLICY",
+    ),
+    Flag("--dynamo-strict-priority", "backend.strict_priority", "Dynamo strict tier", int, "N"),
+    Flag(
+        "--sglang-priority-scheduling",
+        "backend.priority_scheduling",
+        "the SGLang engine runs --enable-priority-scheduling",
+        boolean=True,
+    ),
+    Flag(
+        "--sglang-low-values-first",
+        "backend.low_values_first",
+        "the SGLang engine runs --schedule-low-priority-values-first",
+        boolean=True,
+    ),
+    Flag("--sglang-scale", "backend.scale", "multiplier for SGLang priority values", int, "N"),
+    Flag("--max-body-bytes", "limits.max_body_bytes", "largest request body", int, "BYTES"),
+    Flag("--connect-timeout-s", "upstream.connect_timeout_s", "engine connect timeout", float, "S"),
+    Flag(
+        "--response-header-timeout-s",
+        "upstream.response_header_timeout_s",
+        "wait for the engine's response head (default: none)",
+        float,
+        "S",
+    ),
+    Flag(
+        "--idle-timeout-s", "upstream.idle_timeout_s", "longest silence between chunks", float, "S"
+    ),
+    Flag("--total-timeout-s", "upstream.total_timeout_s", "deadline per request", float, "S"),
+    Flag("--state-dir", "state_dir", "where --dev keeps its certificate", metavar="DIR"),
+    Flag("--log-level", "log_level", "debug, info, warning or error", metavar="LEVEL"),
+)
+
+
+def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", type=Path, metavar="FILE", help="TOML config file")
+    for flag in SERVE_FLAGS:
+        dest = flag.key.replace(".", "__")
+        if flag.boolean:
+            parser.add_argument(
+                flag.flag,
+                dest=dest,
+                nargs="?",
+                const=True,
+                type=parse_bool,
+                default=argparse.SUPPRESS,
+                metavar="BOOL",
+                help=flag.help,
+            )
+            parser.add_argument(
+                "--no-" + flag.flag[2:],
+                dest=dest,
+                action="store_false",
+                default=argparse.SUPPRESS,
+                help=argparse.SUPPRESS,
+            )
+        else:
+            parser.add_argument(
+                flag.flag,
+                dest=dest,
+                type=flag.type,
+                metavar=flag.metavar,
+                default=argparse.SUPPRESS,
+                help=flag.help,
+            )
+
+
+def overrides_from(namespace: argparse.Namespace) -> dict[str, Any]:
+    """Nested settings dict from the flags actually given."""
+    overrides: dict[str, Any] = {}
+    for dest, value in vars(namespace).items():
+        if "__" not in dest and dest not in {f.key for f in SERVE_FLAGS}:
+            continue
+        *sections, leaf = dest.split("__")
+        target = overrides
+        for section in sections:
+            target = target.setdefault(section, {})
+        target[leaf] = value
+    return overrides
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pylon", description="HTTP/3 tunnel endpoint for LLM engines"
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="run the tunnel endpoint")
+    _add_serve_flags(serve)
+    mock = commands.add_parser("mock-engine", help="run a mock inference engine")
+    mock.add_argument("--engine", choices=ENGINE_FLAVOURS, default="openai")
+    mock.add_argument("--listen", default="127.0.0.1:8000", metavar="HOST:PORT")
+    mock.add_argument("--tokens", type=int, default=16, metavar="N")
+    mock.add_argument("--token-delay-ms", type=float, default=20.0, metavar="MS")
+    mock.add_argument("--slots", type=int, default=None, metavar="N", help="concurrent generations")
+    call = commands.add_parser("call", help="send one request over HTTP/3, like the gateway")
+    call.add_argument("url", help="https://HOST:PORT/path")
+    call.add_argument("-X", "--request", dest="method", default=None, metavar="METHOD")
+    call.add_argument(
+        "-H", "--header", dest="headers", action="append", default=[], metavar="'NAME: VALUE'"
+    )
+    call.add_argument("-d", "--data", default=None, metavar="BODY|@FILE")
+    call.add_argument("--insecure", action="store_true", help="skip certificate verification")
+    call.add_argument("--cacert", default=None, metavar="FILE", help="trust this CA / certificate")
+    return parser
+
+
+def _fail(message: str) -> int:
+    print(f"pylon: {message}", file=sys.stderr)
+    return 2
+
+
+def _describe(error: ValidationError) -> str:
+    first = error.errors()[0]
+    where = ".".join(str(part) for part in first["loc"]) or "settings"
+    return f"invalid setting {where}: {first['msg']}" + (
+        f" (and {error.error_count() - 1} more)" if error.error_count() > 1 else ""
+    )
+
+
+def run_serve(namespace: argparse.Namespace) -> int:
+    try:
+        settings = load_settings(overrides=overrides_from(namespace), config_file=namespace.config)
+    except ValidationError as error:
+        return _fail(_describe(error))
+    except (FileNotFoundError, ValueError) as error:
+        return _fail(str(error))
+    configure_logging(level=settings.log_level, human=settings.dev)
+    try:
+        asyncio.run(_serve_until_signalled(settings))
+    except StartupError as error:
+        return _fail(str(error))
+    except OSError as error:
+        return _fail(f"cannot listen on {settings.listen}: {error}")
+    return 0
+
+
+async def _serve_until_signalled(settings: Settings) -> None:
+    pylon = await start_pylon(settings)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    host, _ = split_host_port(settings.listen)
+    _print_ready(settings, host=host, port=pylon.port, upstream=pylon.upstream_url)
+    try:
+        await stop.wait()
+    finally:
+        await pylon.close()
+
+
+def _print_ready(settings: Settings, *, host: str, port: int, upstream: str) -> None:
+    print(f"pylon: HTTP/3 tunnel on {host}:{port} -> {upstream} (backend {settings.backend.type})")
+    if settings.dev:
+        cert = settings.tls.cert_file or settings.state_dir / "dev-cert.pem"
+        print(
+            "pylon: try it:\n"
+            f"  pylon call https://localhost:{port}/v1/chat/completions --cacert {cert} \\\n"
+            "    -H 'x-request-id: demo-1' -H 'x-priority: 5' \\\n"
+            "    -H 'content-type: application/json' \\\n"
+            '    -d \'{"model":"mock-model","stream":true,'
+            '"messages":[{"role":"user","content":"hi"}]}\'',
+            flush=True,
+        )
+
+
+def run_mock_engine(namespace: argparse.Namespace) -> int:
+    try:
+        host, port = split_host_port(namespace.listen)
+        options = MockEngineOptions(
+            engine=namespace.engine,
+            tokens=namespace.tokens,
+            token_delay_s=namespace.token_delay_ms / 1000,
+            slots=namespace.slots,
+        )
+    except ValueError as error:
+        return _fail(str(error))
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(
+            serve_forever(
+                options,
+                host,
+                port,
+                on_ready=lambda engine: print(
+                    f"mock {namespace.engine} engine on {engine.url}", flush=True
+                ),
+            )
+        )
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    namespace = build_parser().parse_args(argv)
+    if namespace.command == "serve":
+        return run_serve(namespace)
+    if namespace.command == "mock-engine":
+        return run_mock_engine(namespace)
+    from pylon.call import run_call
+
+    return run_call(namespace)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

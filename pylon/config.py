@@ -1,0 +1,138 @@
+"""The one root configuration object, built once at start-up and passed down.
+
+Sources, highest first: CLI flags, `PYLON_*` environment variables (nested
+sections with `__`, e.g. `PYLON_UPSTREAM__URL`), an optional TOML file, then
+defaults. Unknown keys are errors everywhere (`extra="forbid"`), so a typo
+fails loudly instead of silently running with a default.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+from backends.config import BackendConfig, PassthroughConfig
+from backends.priority import PriorityPolicy
+
+MIB = 1 << 20
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TlsSettings(_Section):
+    cert_file: Path | None = None
+    """PEM certificate chain presented to the gateway."""
+    key_file: Path | None = None
+    """PEM private key for `cert_file`."""
+
+
+class UpstreamSettings(_Section):
+    url: str | None = None
+    """Engine base URL, e.g. http://127.0.0.1:8000."""
+    connect_timeout_s: float = Field(default=5.0, gt=0)
+    response_header_timeout_s: float | None = Field(default=None, gt=0)
+    """Wait for the engine's response head; unset by default because time to
+    first token can be minutes under load."""
+    idle_timeout_s: float = Field(default=300.0, gt=0)
+    """Longest silence between two response chunks (or while sending the body)."""
+    total_timeout_s: float | None = Field(default=None, gt=0)
+    """Optional deadline for the whole exchange."""
+    pool_timeout_s: float = Field(default=5.0, gt=0)
+    """Wait for a free pooled connection before answering 503."""
+    max_connections: int = Field(default=1024, ge=1)
+    max_keepalive_connections: int = Field(default=256, ge=0)
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("http://", "https://")):
+            raise ValueError("must start with http:// or https://")
+        return value.rstrip("/") if value else value
+
+
+class LimitsSettings(_Section):
+    max_body_bytes: int = Field(default=32 * MIB, ge=1)
+    """Largest request body Pylon will buffer for sanitizing (413 beyond)."""
+    max_queued_response_bytes: int = Field(default=1 * MIB, ge=16 * 1024)
+    """Unacknowledged response bytes per stream before Pylon stops reading the engine."""
+    request_window_bytes: int = Field(default=1 * MIB, ge=16 * 1024)
+    """Request body bytes a gateway may send ahead of what Pylon has forwarded."""
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="PYLON_",
+        env_nested_delimiter="__",
+        extra="forbid",
+        frozen=True,
+    )
+
+    listen: str = "127.0.0.1:4433"
+    """UDP address of the HTTP/3 tunnel listener (HOST:PORT)."""
+    dev: bool = False
+    """Development mode: generated certificate, built-in mock engine, human logs."""
+    state_dir: Path = Path(".pylon")
+    """Where development state (the generated certificate) is kept."""
+    log_level: str = "info"
+    derive_priority: bool = True
+    """Kill switch for priority derivation; the trust-boundary strip is never switched off."""
+    health_paths: tuple[str, ...] = ()
+    """Extra health paths; each backend already knows its engine's health routes."""
+    tls: TlsSettings = TlsSettings()
+    upstream: UpstreamSettings = UpstreamSettings()
+    limits: LimitsSettings = LimitsSettings()
+    priority: PriorityPolicy = PriorityPolicy()
+    backend: BackendConfig = PassthroughConfig()
+
+    @field_validator("listen")
+    @classmethod
+    def _host_port(cls, value: str) -> str:
+        split_host_port(value)
+        return value
+
+    @field_validator("log_level")
+    @classmethod
+    def _level(cls, value: str) -> str:
+        if value.lower() not in {"debug", "info", "warning", "error"}:
+            raise ValueError("must be one of debug, info, warning, error")
+        return value.lower()
+
+
+def split_host_port(value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"{value!r} is not HOST:PORT")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+def load_settings(*, overrides: dict[str, Any], config_file: Path | None) -> Settings:
+    """Settings from CLI overrides > environment > TOML file > defaults."""
+
+    class _Sourced(Settings):
+        @classmethod
+        def settings_customise_sources(
+            cls,
+            settings_cls: type[BaseSettings],
+            init_settings: PydanticBaseSettingsSource,
+            env_settings: PydanticBaseSettingsSource,
+            dotenv_settings: PydanticBaseSettingsSource,
+            file_secret_settings: PydanticBaseSettingsSource,
+        ) -> tuple[PydanticBaseSettingsSource, ...]:
+            if config_file is None:
+                return (init_settings, env_settings)
+            toml = TomlConfigSettingsSource(settings_cls, toml_file=config_file)
+            return (init_settings, env_settings, toml)
+
+    if config_file is not None and not config_file.is_file():
+        raise FileNotFoundError(f"config file {config_file} not found")
+    return Settings.model_validate(_Sourced(**overrides).model_dump())

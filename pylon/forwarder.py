@@ -1,0 +1,118 @@
+"""The upstream edge: one pooled httpx client, streaming both ways, with LLM-shaped budgets.
+
+httpx's read timeout applies to every read, including the wait for the
+response head, but time to first token can be minutes: so httpx gets no read
+timeout, and Pylon enforces its own budgets here: an optional response-head
+timeout, an idle timeout between body chunks, and (in the service) an optional
+total deadline. Every httpx exception leaves through `map_upstream_errors`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterable, AsyncIterator
+from dataclasses import dataclass
+
+import httpx
+
+from pylon.config import UpstreamSettings
+from pylon.errors import UpstreamTimeout, map_upstream_errors
+from pylon.tunnel_headers import REQUEST_ID, strip_hop_by_hop
+
+KEEPALIVE_EXPIRY_S = 30.0
+"""Below common engine servers' idle keep-alive (uvicorn 5 s is the exception:
+httpcore discards connections the server already closed before reuse)."""
+
+
+def build_upstream_client(settings: UpstreamSettings) -> httpx.AsyncClient:
+    timeout = httpx.Timeout(
+        connect=settings.connect_timeout_s,
+        read=None,
+        write=settings.idle_timeout_s,
+        pool=settings.pool_timeout_s,
+    )
+    limits = httpx.Limits(
+        max_connections=settings.max_connections,
+        max_keepalive_connections=settings.max_keepalive_connections,
+        keepalive_expiry=KEEPALIVE_EXPIRY_S,
+    )
+    return httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False)
+
+
+@dataclass(frozen=True)
+class UpstreamResponse:
+    status: int
+    headers: tuple[tuple[bytes, bytes], ...]
+    _response: httpx.Response
+    _idle_timeout_s: float
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        """Body bytes exactly as the engine sent them, one chunk per socket read."""
+        raw = self._response.aiter_raw()
+        while True:
+            async with map_upstream_errors():
+                try:
+                    async with asyncio.timeout(self._idle_timeout_s):
+                        chunk = await anext(raw)
+                except StopAsyncIteration:
+                    return
+                except TimeoutError as exc:
+                    raise UpstreamTimeout("engine: idle between response chunks") from exc
+            yield chunk
+
+
+def response_headers(
+    response: httpx.Response, request_id: str | None
+) -> tuple[tuple[bytes, bytes], ...]:
+    """Engine headers minus hop-by-hop fields, with our request id echoed exactly once."""
+    kept = [
+        (name, value)
+        for name, value in strip_hop_by_hop(response.headers.raw)
+        if name != REQUEST_ID
+    ]
+    if request_id is not None:
+        kept.append((REQUEST_ID, request_id.encode("ascii")))
+    if "content-length" in response.headers:  # raw bytes are relayed, so the length holds
+        kept.append((b"content-length", response.headers["content-length"].encode("ascii")))
+    return tuple(kept)
+
+
+class Forwarder:
+    def __init__(self, client: httpx.AsyncClient, settings: UpstreamSettings) -> None:
+        if settings.url is None:
+            raise ValueError("upstream.url is required")
+        self._client = client
+        self._base_url = settings.url
+        self._settings = settings
+
+    @contextlib.asynccontextmanager
+    async def exchange(
+        self,
+        *,
+        method: str,
+        path: str,
+        headers: tuple[tuple[bytes, bytes], ...],
+        content: bytes | AsyncIterable[bytes],
+        request_id: str | None,
+    ) -> AsyncIterator[UpstreamResponse]:
+        request = self._client.build_request(
+            method, self._base_url + path, headers=list(headers), content=content
+        )
+        async with map_upstream_errors():
+            try:
+                async with asyncio.timeout(self._settings.response_header_timeout_s):
+                    response = await self._client.send(request, stream=True)
+            except TimeoutError as exc:
+                raise UpstreamTimeout("engine: no response head in time") from exc
+        try:
+            yield UpstreamResponse(
+                status=response.status_code,
+                headers=response_headers(response, request_id),
+                _response=response,
+                _idle_timeout_s=self._settings.idle_timeout_s,
+            )
+        finally:
+            # Closing an unfinished response closes its connection: the engine
+            # sees the disconnect and stops generating.
+            await response.aclose()

@@ -1,0 +1,122 @@
+"""The request pipeline's pure core: validate, sanitize, derive, plan.
+
+A tunnel request head becomes a `RequestPlan`: the route's class, the parsed
+tunnel headers, the headers that may reach the engine (hop-by-hop, tunnel-only
+and every deny-listed name removed; Pylon's derived headers and the one
+validated x-request-id added), and what to do with the body. No I/O here:
+the service edge reads bodies and calls `sanitize_body` when the plan says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from backends.base import BackendAdapter, Derived, RouteClass
+from backends.priority import PriorityPolicy, normalize_level
+from backends.sanitize import BodyRejected, rewrite_json_body, strip_headers
+from pylon.errors import BodyInvalid, RouteNotAllowed
+from pylon.tunnel_headers import (
+    REQUEST_ID,
+    TunnelHeaders,
+    parse_tunnel_headers,
+    strip_hop_by_hop,
+    strip_tunnel_headers,
+)
+from tunnel.types import RequestHead
+
+
+class Derivation(StrEnum):
+    """Why a request did or did not get an engine priority (a bounded metric label)."""
+
+    EMITTED = "emitted"
+    ABSENT_NORMALIZED = "absent_normalized"
+    ABSENT_OMITTED = "absent_omitted"
+    DISABLED = "disabled"
+    NOT_APPLICABLE = "not_applicable"
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    policy: PriorityPolicy
+    derive_priority: bool
+    extra_health_paths: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class RequestPlan:
+    route_class: RouteClass
+    tunnel: TunnelHeaders
+    headers: tuple[tuple[bytes, bytes], ...]
+    """Headers to send to the engine."""
+    stripped_headers: tuple[str, ...]
+    """Deny-list entries that matched inbound headers (spoof attempts)."""
+    derived: Derived
+    derivation: Derivation
+    rewrite_body: bool
+    """Body must be buffered, checked as a JSON object and rewritten."""
+
+
+def classify_route(
+    adapter: BackendAdapter, head: RequestHead, extra_health_paths: frozenset[str]
+) -> RouteClass:
+    route_class = adapter.route_class(head.method, head.path)
+    if route_class is not None:
+        return route_class
+    if head.method == "GET" and head.path.split("?", 1)[0] in extra_health_paths:
+        return RouteClass.HEALTH
+    raise RouteNotAllowed(f"{head.method} {head.path.split('?', 1)[0]} is not reachable")
+
+
+def plan_request(
+    head: RequestHead, *, adapter: BackendAdapter, options: PipelineOptions
+) -> RequestPlan:
+    route_class = classify_route(adapter, head, options.extra_health_paths)
+    is_health = route_class is RouteClass.HEALTH
+    tunnel = parse_tunnel_headers(head.headers, require_request_id=not is_health)
+    derivation, derived = _derive(adapter, route_class, tunnel, options)
+    sanitized = strip_headers(adapter, strip_tunnel_headers(strip_hop_by_hop(head.headers)))
+    headers = [*sanitized.headers, *derived.headers]
+    if tunnel.request_id is not None:
+        headers.append((REQUEST_ID, tunnel.request_id.encode("ascii")))
+    return RequestPlan(
+        route_class=route_class,
+        tunnel=tunnel,
+        headers=tuple(headers),
+        stripped_headers=sanitized.stripped,
+        derived=derived,
+        derivation=derivation,
+        rewrite_body=adapter.rewrites_body(route_class),
+    )
+
+
+def _derive(
+    adapter: BackendAdapter,
+    route_class: RouteClass,
+    tunnel: TunnelHeaders,
+    options: PipelineOptions,
+) -> tuple[Derivation, Derived]:
+    if route_class is not RouteClass.INFERENCE:
+        return Derivation.NOT_APPLICABLE, Derived()
+    if not options.derive_priority:
+        return Derivation.DISABLED, Derived()
+    level = normalize_level(tunnel.priority, options.policy)
+    if level is None:
+        return Derivation.ABSENT_OMITTED, Derived()
+    derived = adapter.derive(level)
+    if derived.emitted_priority is None:  # the engine takes no priority in this setup
+        return Derivation.NOT_APPLICABLE, derived
+    if tunnel.priority is None:
+        return Derivation.ABSENT_NORMALIZED, derived
+    return Derivation.EMITTED, derived
+
+
+def sanitize_body(
+    adapter: BackendAdapter, plan: RequestPlan, raw: bytes
+) -> tuple[bytes, tuple[str, ...]]:
+    """Rewritten body and the deny-listed fields it had; BodyInvalid if not a JSON object."""
+    try:
+        rewrite = rewrite_json_body(adapter, raw, plan.derived)
+    except BodyRejected as exc:
+        raise BodyInvalid(f"request body must be a JSON object: {exc}") from exc
+    return rewrite.body, rewrite.stripped

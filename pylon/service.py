@@ -1,0 +1,205 @@
+"""The tunnel request handler: plan, read the body, forward, stream back, account.
+
+This is the I/O shell around the pure pipeline. Errors before the response
+head are answered as OpenAI-shaped JSON; errors after it reset the stream, so
+a truncated answer never looks complete. A gateway reset cancels this task,
+which closes the upstream response and so stops the engine's generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from aioquic.h3.connection import ErrorCode
+
+from backends.base import BackendAdapter
+from pylon.errors import BodyTooLarge, PylonError, RequestRejected, UpstreamError, UpstreamTimeout
+from pylon.forwarder import Forwarder
+from pylon.metrics import Metrics
+from pylon.pipeline import PipelineOptions, RequestPlan, plan_request, sanitize_body
+from pylon.tunnel_headers import REQUEST_ID
+from tunnel.stream import TunnelStream
+from tunnel.types import StreamAborted
+
+logger = logging.getLogger("pylon.access")
+debug_logger = logging.getLogger("pylon.priority")
+
+
+@dataclass
+class Exchange:
+    """What happened to one request, for the access log and metrics."""
+
+    started: float
+    route: str = "unrouted"
+    request_id: str | None = None
+    status: int | None = None
+    emitted_priority: int | None = None
+    ttfb_s: float | None = None
+    error: str | None = None
+    cancelled_by: str | None = None
+    request_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class ServiceOptions:
+    pipeline: PipelineOptions
+    max_body_bytes: int
+    total_timeout_s: float | None
+
+
+class TunnelService:
+    def __init__(
+        self,
+        *,
+        adapter: BackendAdapter,
+        forwarder: Forwarder,
+        options: ServiceOptions,
+        metrics: Metrics,
+    ) -> None:
+        self._adapter = adapter
+        self._forwarder = forwarder
+        self._options = options
+        self._metrics = metrics
+
+    async def __call__(self, stream: TunnelStream) -> None:
+        loop = asyncio.get_running_loop()
+        exchange = Exchange(started=loop.time())
+        try:
+            async with asyncio.timeout(self._options.total_timeout_s):
+                await self._serve(stream, exchange)
+        except TimeoutError:
+            self._fail(stream, exchange, UpstreamTimeout("engine: total deadline exceeded"))
+        except PylonError as error:
+            self._fail(stream, exchange, error)
+        except (asyncio.CancelledError, StreamAborted):
+            exchange.cancelled_by = "gateway"
+            raise
+        finally:
+            self._account(stream, exchange, duration_s=loop.time() - exchange.started)
+
+    async def _serve(self, stream: TunnelStream, exchange: Exchange) -> None:
+        plan = plan_request(stream.head, adapter=self._adapter, options=self._options.pipeline)
+        exchange.route = plan.route_class.value
+        exchange.request_id = plan.tunnel.request_id
+        self._metrics.inputs_stripped("header", plan.stripped_headers)
+        content = await self._request_content(stream, plan, exchange)
+        self._note_priority(plan, exchange)
+        async with self._forwarder.exchange(
+            method=stream.head.method,
+            path=stream.head.path,
+            headers=plan.headers,
+            content=content,
+            request_id=plan.tunnel.request_id,
+        ) as upstream:
+            stream.send_head(upstream.status, upstream.headers)
+            exchange.status = upstream.status
+            async for chunk in upstream.chunks():
+                if exchange.ttfb_s is None:
+                    exchange.ttfb_s = asyncio.get_running_loop().time() - exchange.started
+                await stream.send_data(chunk)
+            stream.end()
+
+    async def _request_content(
+        self, stream: TunnelStream, plan: RequestPlan, exchange: Exchange
+    ) -> bytes | AsyncIterator[bytes]:
+        limit = self._options.max_body_bytes
+        declared = _declared_length(stream)
+        if declared is not None and declared > limit:
+            raise BodyTooLarge(f"request body of {declared} bytes exceeds {limit}")
+        if plan.rewrite_body:
+            raw = await _read_bounded(stream, limit)
+            body, stripped = sanitize_body(self._adapter, plan, raw)
+            self._metrics.inputs_stripped("body", stripped)
+            exchange.request_bytes = len(body)
+            return body
+        if stream.received_all and stream.body_bytes_received == 0:
+            return b""
+        return self._stream_bounded(stream, exchange, limit)
+
+    async def _stream_bounded(
+        self, stream: TunnelStream, exchange: Exchange, limit: int
+    ) -> AsyncIterator[bytes]:
+        async for chunk in stream.body_chunks():
+            exchange.request_bytes += len(chunk)
+            if exchange.request_bytes > limit:
+                raise BodyTooLarge(f"request body exceeds {limit} bytes")
+            yield chunk
+
+    def _note_priority(self, plan: RequestPlan, exchange: Exchange) -> None:
+        exchange.emitted_priority = plan.derived.emitted_priority
+        self._metrics.priority_derived(plan.derivation, plan.derived.emitted_priority)
+        if plan.derived.emitted_priority is not None:
+            debug_logger.debug(
+                "engine priority %d emitted for request %s (%s)",
+                plan.derived.emitted_priority,
+                plan.tunnel.request_id,
+                plan.derivation.value,
+            )
+
+    def _fail(self, stream: TunnelStream, exchange: Exchange, error: PylonError) -> None:
+        exchange.error = error.code
+        if isinstance(error, RequestRejected):
+            self._metrics.request_rejected(error.code)
+        elif isinstance(error, UpstreamError):
+            self._metrics.upstream_failed(error.kind)
+        if stream.head_sent:
+            exchange.cancelled_by = "timeout" if isinstance(error, UpstreamTimeout) else "engine"
+            exchange.status = None
+            stream.reset(ErrorCode.H3_INTERNAL_ERROR)
+            return
+        exchange.status = error.status
+        headers = list(error.headers())
+        if exchange.request_id is not None:
+            headers.append((REQUEST_ID, exchange.request_id.encode("ascii")))
+        body = error.body()
+        headers.append((b"content-length", str(len(body)).encode()))
+        stream.send_complete(error.status, tuple(headers), body)
+
+    def _account(self, stream: TunnelStream, exchange: Exchange, *, duration_s: float) -> None:
+        if exchange.cancelled_by is not None:
+            self._metrics.request_cancelled(exchange.cancelled_by)
+        self._metrics.request_finished(
+            route=exchange.route,
+            status=exchange.status if exchange.cancelled_by is None else None,
+            duration_s=duration_s,
+            ttfb_s=exchange.ttfb_s,
+            request_bytes=exchange.request_bytes,
+            response_bytes=stream.body_bytes_sent,
+        )
+        logger.info(
+            "request finished",
+            extra={
+                "request_id": exchange.request_id,
+                "backend": self._adapter.name,
+                "route": exchange.route,
+                "status": exchange.status,
+                "emitted_priority": exchange.emitted_priority,
+                "ttfb_s": exchange.ttfb_s,
+                "duration_s": round(duration_s, 6),
+                "request_bytes": exchange.request_bytes,
+                "response_bytes": stream.body_bytes_sent,
+                "error": exchange.error,
+                "cancelled_by": exchange.cancelled_by,
+            },
+        )
+
+
+def _declared_length(stream: TunnelStream) -> int | None:
+    for name, value in stream.head.headers:
+        if name == b"content-length" and value.isdigit():
+            return int(value)
+    return None
+
+
+async def _read_bounded(stream: TunnelStream, limit: int) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in stream.body_chunks():
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(f"request body exceeds {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)

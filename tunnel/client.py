@@ -1,0 +1,187 @@
+"""An HTTP/3 client that plays the gateway: for `pylon call`, tests and benches.
+
+Strategy: one QUIC connection carries many concurrent requests; each request
+is a stream whose response head and body chunks are delivered through an
+asyncio queue as they arrive, so a caller sees streamed tokens as soon as the
+tunnel sends them. A stream reset from the server surfaces as `StreamAborted`
+on the reader, never as a clean end. Header lists are sent exactly as given,
+so tests can send malformed requests on purpose.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ssl
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from aioquic.asyncio.client import connect
+from aioquic.asyncio.protocol import QuicConnectionProtocol
+from aioquic.h3.connection import H3_ALPN, ErrorCode, H3Connection
+from aioquic.h3.events import DataReceived, H3Event, HeadersReceived
+from aioquic.quic.configuration import QuicConfiguration
+from aioquic.quic.events import ConnectionTerminated, QuicEvent, StreamReset
+
+from tunnel.types import HeaderList, StreamAborted
+
+_END = object()
+
+
+@dataclass
+class ClientResponse:
+    """A response being received; iterate `chunks()` for the body as it arrives."""
+
+    stream_id: int
+    status: int
+    headers: HeaderList
+    _queue: asyncio.Queue[Any] = field(repr=False)
+    _client: H3Client = field(repr=False)
+
+    def header(self, name: str) -> str | None:
+        wanted = name.lower().encode()
+        for key, value in self.headers:
+            if key == wanted:
+                return value.decode("latin-1")
+        return None
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        while True:
+            item = await self._queue.get()
+            if item is _END:
+                return
+            if isinstance(item, StreamAborted):
+                raise item
+            yield item
+
+    async def read(self) -> bytes:
+        return b"".join([chunk async for chunk in self.chunks()])
+
+    def reset(self) -> None:
+        """Abandon the response (the caller went away)."""
+        self._client.reset_stream(self.stream_id)
+
+
+class H3Client(QuicConnectionProtocol):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._h3 = H3Connection(self._quic)
+        self._heads: dict[int, asyncio.Future[tuple[int, HeaderList]]] = {}
+        self._bodies: dict[int, asyncio.Queue[Any]] = {}
+
+    def quic_event_received(self, event: QuicEvent) -> None:
+        if isinstance(event, StreamReset):
+            self._fail(event.stream_id, StreamAborted(event.error_code))
+        elif isinstance(event, ConnectionTerminated):
+            for stream_id in list(self._bodies):
+                self._fail(stream_id, StreamAborted(event.error_code))
+        for h3_event in self._h3.handle_event(event):
+            self._h3_event_received(h3_event)
+
+    def _h3_event_received(self, event: H3Event) -> None:
+        if isinstance(event, HeadersReceived):
+            head = self._heads.get(event.stream_id)
+            if head is not None and not head.done():
+                status = int(dict(event.headers).get(b":status", b"0"))
+                regular = tuple((k, v) for k, v in event.headers if not k.startswith(b":"))
+                head.set_result((status, regular))
+            if event.stream_ended:
+                self._end(event.stream_id)
+        elif isinstance(event, DataReceived):
+            queue = self._bodies.get(event.stream_id)
+            if queue is not None and event.data:
+                queue.put_nowait(event.data)
+            if event.stream_ended:
+                self._end(event.stream_id)
+
+    def _end(self, stream_id: int) -> None:
+        queue = self._bodies.pop(stream_id, None)
+        if queue is not None:
+            queue.put_nowait(_END)
+        self._heads.pop(stream_id, None)
+
+    def _fail(self, stream_id: int, error: StreamAborted) -> None:
+        head = self._heads.pop(stream_id, None)
+        if head is not None and not head.done():
+            head.set_exception(error)
+        queue = self._bodies.pop(stream_id, None)
+        if queue is not None:
+            queue.put_nowait(error)
+
+    def reset_stream(self, stream_id: int) -> None:
+        self._bodies.pop(stream_id, None)
+        self._heads.pop(stream_id, None)
+        with contextlib.suppress(Exception):
+            self._quic.reset_stream(stream_id, ErrorCode.H3_REQUEST_CANCELLED)
+            self._quic.stop_stream(stream_id, ErrorCode.H3_REQUEST_CANCELLED)
+        self.transmit()
+
+    def open_request(self, headers: HeaderList, *, end: bool) -> int:
+        """Send a raw header list on a new stream (no validation) and return its id."""
+        stream_id = self._quic.get_next_available_stream_id()
+        self._heads[stream_id] = self._loop.create_future()
+        self._bodies[stream_id] = asyncio.Queue()
+        self._h3.send_headers(stream_id, list(headers), end_stream=end)
+        self.transmit()
+        return stream_id
+
+    def send_body(self, stream_id: int, data: bytes, *, end: bool) -> None:
+        self._h3.send_data(stream_id, data, end_stream=end)
+        self.transmit()
+
+    async def response(self, stream_id: int) -> ClientResponse:
+        status, headers = await self._heads[stream_id]
+        queue = self._bodies.get(stream_id)
+        if queue is None:  # ended with the head
+            queue = asyncio.Queue()
+            queue.put_nowait(_END)
+        return ClientResponse(stream_id, status, headers, queue, self)
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        headers: Iterable[tuple[str, str]] = (),
+        body: bytes | None = None,
+        authority: str = "pylon",
+        chunk_size: int = 64 * 1024,
+    ) -> ClientResponse:
+        head = (
+            (b":method", method.encode()),
+            (b":scheme", b"https"),
+            (b":authority", authority.encode()),
+            (b":path", path.encode()),
+            *((k.lower().encode(), v.encode()) for k, v in headers),
+        )
+        stream_id = self.open_request(head, end=not body)
+        if body:
+            await self._send_paced(stream_id, body, chunk_size=chunk_size)
+        return await self.response(stream_id)
+
+    async def _send_paced(self, stream_id: int, body: bytes, *, chunk_size: int) -> None:
+        view = memoryview(body)
+        for offset in range(0, len(body), chunk_size):
+            chunk = bytes(view[offset : offset + chunk_size])
+            self.send_body(stream_id, chunk, end=offset + chunk_size >= len(body))
+            await asyncio.sleep(0)
+
+
+def client_configuration(
+    *, verify: bool = True, cafile: str | None = None, server_name: str | None = None
+) -> QuicConfiguration:
+    configuration = QuicConfiguration(is_client=True, alpn_protocols=H3_ALPN)
+    configuration.verify_mode = ssl.CERT_REQUIRED if verify else ssl.CERT_NONE
+    if cafile:
+        configuration.load_verify_locations(cafile)
+    configuration.server_name = server_name
+    return configuration
+
+
+@contextlib.asynccontextmanager
+async def open_client(
+    host: str, port: int, *, configuration: QuicConfiguration
+) -> AsyncIterator[H3Client]:
+    async with connect(host, port, configuration=configuration, create_protocol=H3Client) as client:
+        yield client  # type: ignore[misc]

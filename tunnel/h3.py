@@ -1,0 +1,79 @@
+"""HTTP/3 connection that fails a malformed request's stream, not the connection.
+
+RFC 9114 §4.1.2 makes a malformed request a *stream* error
+(H3_MESSAGE_ERROR), but aioquic raises `MessageError` out of its frame parser
+and closes the whole connection. A tunnel connection carries every caller's
+requests for days, so one bad request must not take the others down: this
+subclass turns a `MessageError` on a request stream into a `RequestMalformed`
+event, resets that stream and ignores the rest of its bytes. QPACK state stays
+consistent because `MessageError` is only raised after a field section was
+fully decoded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from aioquic.h3.connection import ErrorCode, H3Connection, MessageError
+from aioquic.h3.events import H3Event
+from aioquic.quic.connection import QuicConnection, stream_is_unidirectional
+from aioquic.quic.events import QuicEvent, StreamDataReceived, StreamReset
+
+
+@dataclass
+class RequestMalformed(H3Event):
+    """A request stream violated RFC 9114 message rules and was reset."""
+
+    stream_id: int
+    reason: str
+
+
+class TunnelH3Connection(H3Connection):
+    def __init__(self, quic: QuicConnection) -> None:
+        super().__init__(quic)
+        self._failed_streams: set[int] = set()
+
+    def handle_event(self, event: QuicEvent) -> list[H3Event]:
+        if isinstance(event, StreamReset | StreamDataReceived) and (
+            event.stream_id in self._failed_streams
+        ):
+            ended = isinstance(event, StreamReset) or event.end_stream
+            if ended:
+                self._failed_streams.discard(event.stream_id)
+            return []
+        return super().handle_event(event)
+
+    def _receive_stream_data(self, event: StreamDataReceived) -> list[H3Event]:
+        try:
+            return super()._receive_stream_data(event)
+        except MessageError as exc:
+            if stream_is_unidirectional(event.stream_id):
+                raise
+            self._fail_stream(event.stream_id, end_stream=event.end_stream)
+            return [RequestMalformed(stream_id=event.stream_id, reason=exc.reason_phrase)]
+
+    def _fail_stream(self, stream_id: int, *, end_stream: bool) -> None:
+        self._stream.pop(stream_id, None)
+        if not end_stream:
+            self._failed_streams.add(stream_id)
+            self._quic.stop_stream(stream_id, ErrorCode.H3_MESSAGE_ERROR)
+        self._quic.reset_stream(stream_id, ErrorCode.H3_MESSAGE_ERROR)
+
+    def forget_stream(self, stream_id: int) -> None:
+        """The application is done sending (FIN or reset): free state once both halves end.
+
+        A reset sent through the QUIC layer never marks the H3 stream's sending
+        half as ended, so without this a long-lived connection would keep one
+        H3Stream per failed request forever.
+        """
+        stream = self._stream.get(stream_id)
+        if stream is None:
+            return
+        stream.sending_ended = True
+        if stream.is_ended():
+            self._stream.pop(stream_id, None)
+
+    @property
+    def tracked_stream_count(self) -> int:
+        """Number of per-stream state objects held (for leak tests and gauges)."""
+        return len(self._stream) + len(self._failed_streams)

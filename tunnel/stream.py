@@ -1,0 +1,142 @@
+"""One HTTP/3 request stream as the handler sees it: a head, a body in, a response out.
+
+Strategy: the protocol feeds received DATA into a bounded body buffer (the
+peer only gets more credit as the handler reads, see `flow.py`) and wakes
+writers when acknowledgements drain the send queue. The handler reads with
+`receive()`, answers with `send_head()` / `send_data()` / `end()`, or gives up
+with `reset()`. A peer reset cancels the handler's task (the protocol does
+that), so an upstream request is closed at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Protocol
+
+from aioquic.h3.connection import ErrorCode
+
+from tunnel.types import HeaderList, RequestHead, StreamAborted
+
+
+class StreamOwner(Protocol):
+    """What a stream needs from its connection (the protocol implements it)."""
+
+    def stream_send_headers(self, stream_id: int, headers: HeaderList, *, end: bool) -> None: ...
+    def stream_send_data(self, stream_id: int, data: bytes, *, end: bool) -> None: ...
+    def stream_reset(self, stream_id: int, error_code: int) -> None: ...
+    def stream_queued_bytes(self, stream_id: int) -> int: ...
+    def stream_consumed(self, stream_id: int, byte_count: int) -> None: ...
+
+
+class TunnelStream:
+    def __init__(
+        self,
+        *,
+        stream_id: int,
+        head: RequestHead,
+        owner: StreamOwner,
+        max_queued_bytes: int,
+    ) -> None:
+        self.stream_id = stream_id
+        self.head = head
+        self._owner = owner
+        self._max_queued_bytes = max_queued_bytes
+        self._chunks: deque[bytes] = deque()
+        self._received_all = False
+        self._data_ready = asyncio.Event()
+        self._drained = asyncio.Event()
+        self._aborted: StreamAborted | None = None
+        self.head_sent = False
+        self.finished = False
+        self.body_bytes_received = 0
+        self.body_bytes_sent = 0
+
+    # --- called by the protocol -------------------------------------------------
+
+    def feed(self, data: bytes, *, end: bool) -> None:
+        if data:
+            self._chunks.append(data)
+            self.body_bytes_received += len(data)
+        self._received_all = self._received_all or end
+        self._data_ready.set()
+
+    def abort(self, error_code: int) -> None:
+        self._aborted = StreamAborted(error_code)
+        self._data_ready.set()
+        self._drained.set()
+
+    def wake_if_drained(self) -> None:
+        if self._owner.stream_queued_bytes(self.stream_id) <= self._max_queued_bytes // 2:
+            self._drained.set()
+
+    @property
+    def received_all(self) -> bool:
+        return self._received_all
+
+    # --- the handler's side -------------------------------------------------------
+
+    async def receive(self) -> bytes:
+        """Next chunk of the request body; b"" once the body is complete."""
+        while not self._chunks:
+            if self._aborted is not None:
+                raise self._aborted
+            if self._received_all:
+                return b""
+            self._data_ready.clear()
+            await self._data_ready.wait()
+        chunk = self._chunks.popleft()
+        self._owner.stream_consumed(self.stream_id, len(chunk))
+        return chunk
+
+    async def body_chunks(self) -> AsyncIterator[bytes]:
+        while chunk := await self.receive():
+            yield chunk
+
+    def send_head(self, status: int, headers: HeaderList, *, end: bool = False) -> None:
+        self._check_open()
+        self._owner.stream_send_headers(
+            self.stream_id, ((b":status", str(status).encode()), *headers), end=end
+        )
+        self.head_sent = True
+        self.finished = end
+
+    def send_complete(self, status: int, headers: HeaderList, body: bytes) -> None:
+        """A whole small response at once (errors Pylon makes itself): no pacing needed."""
+        self.send_head(status, headers)
+        self._owner.stream_send_data(self.stream_id, body, end=True)
+        self.body_bytes_sent += len(body)
+        self.finished = True
+
+    async def send_data(self, data: bytes) -> None:
+        """Queue body bytes, then wait while more than the cap is unacknowledged."""
+        self._check_open()
+        if data:
+            self._owner.stream_send_data(self.stream_id, data, end=False)
+            self.body_bytes_sent += len(data)
+        while self._owner.stream_queued_bytes(self.stream_id) > self._max_queued_bytes:
+            self._drained.clear()
+            await self._drained.wait()
+            self._check_open()
+
+    def end(self) -> None:
+        self._check_open()
+        self._owner.stream_send_data(self.stream_id, b"", end=True)
+        self.finished = True
+
+    def reset(self, error_code: int = ErrorCode.H3_INTERNAL_ERROR) -> None:
+        """Abort the response: a truncated body must never end with a clean FIN."""
+        if self.finished or self._aborted is not None:
+            return
+        self._owner.stream_reset(self.stream_id, error_code)
+        self.finished = True
+
+    def _check_open(self) -> None:
+        if self._aborted is not None:
+            raise self._aborted
+        if self.finished:
+            raise RuntimeError("response already finished")
+
+
+Handler = Callable[[TunnelStream], Awaitable[None]]
