@@ -62,7 +62,7 @@ def quic_configuration(settings: Settings) -> QuicConfiguration:
         if not settings.dev:
             raise StartupError("a TLS certificate and key are required (--cert/--key), or --dev")
         cert_file, key_file = ensure_dev_certificate(settings.state_dir)
-    configuration = QuicConfiguration(is_client=False)
+    configuration = QuicConfiguration(is_client=False, idle_timeout=settings.quic_idle_timeout_s)
     configuration.load_cert_chain(cert_file, key_file)
     return configuration
 

@@ -79,6 +79,13 @@ class Settings(BaseSettings):
 
     listen: str = "127.0.0.1:4433"
     """UDP address of the HTTP/3 tunnel listener (HOST:PORT)."""
+    admin_listen: str = "127.0.0.1:9464"
+    """TCP address of the admin server: /metrics, /healthz, /readyz (HOST:PORT)."""
+    drain_grace_s: float = Field(default=30.0, ge=0)
+    """On SIGTERM, how long in-flight requests may run before connections close.
+    Keep Kubernetes terminationGracePeriodSeconds above this."""
+    quic_idle_timeout_s: float = Field(default=60.0, gt=0)
+    """A tunnel connection with no packets for this long is closed (the gateway pings)."""
     dev: bool = False
     """Development mode: generated certificate, built-in mock engine, human logs."""
     state_dir: Path = Path(".pylon")
@@ -94,7 +101,7 @@ class Settings(BaseSettings):
     priority: PriorityPolicy = PriorityPolicy()
     backend: BackendConfig = PassthroughConfig()
 
-    @field_validator("listen")
+    @field_validator("listen", "admin_listen")
     @classmethod
     def _host_port(cls, value: str) -> str:
         split_host_port(value)
