@@ -105,6 +105,13 @@ class BackendAdapter:
     def __init__(self, policy: PriorityPolicy | None = None) -> None:
         # The shared priority policy: adapters that invert polarity need its ceiling.
         self.policy = policy if policy is not None else PriorityPolicy()
+        # The tables are constant: combine them once, not on every request.
+        self._denied_headers = (
+            self.denied_headers | TRUSTED_ROUTER_HEADERS | TUNNEL_INTERNAL_HEADERS
+        )
+        self._denied_prefixes = self.denied_header_prefixes + TRUSTED_ROUTER_HEADER_PREFIXES
+        extra = tuple(p for p in self.derived_body_fields if p not in self.denied_body_fields)
+        self._denied_body_fields = self.denied_body_fields + extra
 
     def route_class(self, method: str, path: str) -> RouteClass | None:
         """Route class for a request, or None when the route is not reachable.
@@ -120,10 +127,11 @@ class BackendAdapter:
         return route_class is RouteClass.INFERENCE and bool(self.all_denied_body_fields())
 
     def all_denied_headers(self) -> frozenset[str]:
-        return self.denied_headers | TRUSTED_ROUTER_HEADERS | TUNNEL_INTERNAL_HEADERS
+        """The engine's deny-list plus the trusted-router and tunnel-internal names."""
+        return self._denied_headers
 
     def all_denied_header_prefixes(self) -> tuple[str, ...]:
-        return self.denied_header_prefixes + TRUSTED_ROUTER_HEADER_PREFIXES
+        return self._denied_prefixes
 
     def derived_header_names(self) -> frozenset[str]:
         """Headers `derive` may write; always stripped from the inbound request."""
@@ -135,8 +143,7 @@ class BackendAdapter:
         Derived paths are removed even when `derive` emits nothing, so a client
         value can never stand in for Pylon's.
         """
-        extra = tuple(p for p in self.derived_body_fields if p not in self.denied_body_fields)
-        return self.denied_body_fields + extra
+        return self._denied_body_fields
 
     def derive(self, level: int | None) -> Derived:
         """Engine-native priority for a normalized level (None: emit nothing)."""

@@ -1,27 +1,33 @@
-"""Assembles a running Pylon from `Settings`: tunnel listener, upstream client, metrics.
+"""Assembles a running Pylon from `Settings`: tunnel listener, upstream client,
+metrics, readiness, the engine probe and the admin server.
 
 Each part gets only its own slice of the settings, converted here at the edge
-(settings -> QuicConfiguration, httpx client, pipeline options).
+(settings -> QuicConfiguration, httpx client, pipeline options). Every part
+started registers its cleanup on one exit stack: a start-up failure unwinds
+what was started, and `RunningPylon.close()` unwinds the same stack.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib.metadata import version
 
 import httpx
 from aioquic.quic.configuration import QuicConfiguration
 from prometheus_client import CollectorRegistry
 
+from backends.base import BackendAdapter
 from backends.mock import MockEngine, MockEngineOptions
 from backends.registry import build_adapter
+from pylon.admin import AdminServer, start_admin
 from pylon.config import Settings, split_host_port
 from pylon.devcert import ensure_dev_certificate
 from pylon.forwarder import Forwarder, build_upstream_client
-from pylon.metrics import Metrics
+from pylon.metrics import DenyList, Metrics
 from pylon.pipeline import PipelineOptions
+from pylon.readiness import PROBE_INTERVAL_S, EngineProbe, Readiness
 from pylon.service import ServiceOptions, TunnelService
 from tunnel.server import TunnelOptions, TunnelServer, start_tunnel
 
@@ -44,16 +50,23 @@ class RunningPylon:
     registry: CollectorRegistry
     mock_engine: MockEngine | None
     upstream_url: str
+    readiness: Readiness
+    """Flags behind /readyz; call `readiness.mark_draining()` on SIGTERM."""
+    probe: EngineProbe
+    admin: AdminServer
+    _cleanup: contextlib.AsyncExitStack = field(repr=False)
 
     @property
     def port(self) -> int:
         return self.tunnel.port
 
+    @property
+    def admin_port(self) -> int:
+        return self.admin.port
+
     async def close(self) -> None:
-        self.tunnel.close()
-        await self.upstream_client.aclose()
-        if self.mock_engine is not None:
-            await self.mock_engine.close()
+        """Stop admin server, probe, listener, upstream client and mock, in that order."""
+        await self._cleanup.aclose()
 
 
 def quic_configuration(settings: Settings) -> QuicConfiguration:
@@ -79,18 +92,55 @@ async def _start_mock_if_needed(settings: Settings) -> tuple[MockEngine | None, 
 
 
 async def start_pylon(
-    settings: Settings, *, registry: CollectorRegistry | None = None
+    settings: Settings,
+    *,
+    registry: CollectorRegistry | None = None,
+    probe_interval_s: float = PROBE_INTERVAL_S,
 ) -> RunningPylon:
     registry = registry if registry is not None else CollectorRegistry()
     configuration = quic_configuration(settings)
-    mock_engine, upstream_url = await _start_mock_if_needed(settings)
-    upstream = settings.upstream.model_copy(update={"url": upstream_url})
-    adapter = build_adapter(settings.backend, settings.priority)
-    metrics = Metrics(registry, backend=adapter.name, version=version("pylon"))
-    client = build_upstream_client(upstream)
-    service = TunnelService(
+    async with contextlib.AsyncExitStack() as stack:  # unwinds only if start-up fails
+        mock_engine, upstream_url = await _start_mock_if_needed(settings)
+        if mock_engine is not None:
+            stack.push_async_callback(mock_engine.close)
+        upstream = settings.upstream.model_copy(update={"url": upstream_url})
+        adapter = build_adapter(settings.backend, settings.priority)
+        metrics = _metrics_for(adapter, registry)
+        client = build_upstream_client(upstream)
+        stack.push_async_callback(client.aclose)
+        forwarder = Forwarder(client, upstream)
+        service = _build_service(settings, adapter=adapter, forwarder=forwarder, metrics=metrics)
+        tunnel = await _start_listener(settings, configuration, service)
+        stack.callback(tunnel.close)
+        readiness = Readiness(listener_up=True)
+        stack.callback(_mark_listener_down, readiness)
+        probe = EngineProbe(
+            client, upstream_url, readiness=readiness, metrics=metrics, interval_s=probe_interval_s
+        )
+        admin = await _start_admin_side(stack, settings, probe=probe, registry=registry)
+        _register_live_gauges(metrics, tunnel, readiness)
+        return RunningPylon(
+            settings,
+            tunnel,
+            client,
+            metrics,
+            registry,
+            mock_engine,
+            upstream_url,
+            readiness=readiness,
+            probe=probe,
+            admin=admin,
+            _cleanup=stack.pop_all(),
+        )
+    raise AssertionError("unreachable")  # mypy: AsyncExitStack may swallow exceptions
+
+
+def _build_service(
+    settings: Settings, *, adapter: BackendAdapter, forwarder: Forwarder, metrics: Metrics
+) -> TunnelService:
+    return TunnelService(
         adapter=adapter,
-        forwarder=Forwarder(client, upstream),
+        forwarder=forwarder,
         options=ServiceOptions(
             pipeline=PipelineOptions(
                 policy=settings.priority,
@@ -102,29 +152,51 @@ async def start_pylon(
         ),
         metrics=metrics,
     )
+
+
+async def _start_listener(
+    settings: Settings, configuration: QuicConfiguration, service: TunnelService
+) -> TunnelServer:
     host, port = split_host_port(settings.listen)
-    try:
-        tunnel = await start_tunnel(
-            host=host,
-            port=port,
-            configuration=configuration,
-            handler=service,
-            options=TunnelOptions(
-                max_queued_bytes_per_stream=settings.limits.max_queued_response_bytes,
-                request_window_bytes=settings.limits.request_window_bytes,
-            ),
-        )
-    except BaseException:
-        await client.aclose()
-        if mock_engine is not None:
-            with contextlib.suppress(Exception):
-                await mock_engine.close()
-        raise
-    _register_live_gauges(metrics, tunnel)
-    return RunningPylon(settings, tunnel, client, metrics, registry, mock_engine, upstream_url)
+    return await start_tunnel(
+        host=host,
+        port=port,
+        configuration=configuration,
+        handler=service,
+        options=TunnelOptions(
+            max_queued_bytes_per_stream=settings.limits.max_queued_response_bytes,
+            request_window_bytes=settings.limits.request_window_bytes,
+        ),
+    )
 
 
-def _register_live_gauges(metrics: Metrics, tunnel: TunnelServer) -> None:
+async def _start_admin_side(
+    stack: contextlib.AsyncExitStack,
+    settings: Settings,
+    *,
+    probe: EngineProbe,
+    registry: CollectorRegistry,
+) -> AdminServer:
+    """Start the engine probe and the admin server, registering their cleanup."""
+    probe.start()
+    stack.push_async_callback(probe.stop)
+    host, port = split_host_port(settings.admin_listen)
+    admin = await start_admin(host, port, registry=registry, readiness=probe.readiness)
+    stack.push_async_callback(admin.close)
+    return admin
+
+
+def _metrics_for(adapter: BackendAdapter, registry: CollectorRegistry) -> Metrics:
+    return Metrics(
+        registry, backend=adapter.name, version=version("pylon"), deny_list=DenyList.of(adapter)
+    )
+
+
+def _mark_listener_down(readiness: Readiness) -> None:
+    readiness.listener_up = False
+
+
+def _register_live_gauges(metrics: Metrics, tunnel: TunnelServer, readiness: Readiness) -> None:
     registry = tunnel.registry
     metrics.live_gauge(
         "pylon_open_connections",
@@ -138,4 +210,9 @@ def _register_live_gauges(metrics: Metrics, tunnel: TunnelServer) -> None:
         "pylon_queued_response_bytes",
         "Response bytes sent toward the gateway and not yet acknowledged.",
         registry.queued_bytes,
+    )
+    metrics.live_gauge(
+        "pylon_ready",
+        "1 when /readyz answers 200 (listener up, not draining, engine ready), else 0.",
+        lambda: 1 if readiness.ready else 0,
     )

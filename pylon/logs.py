@@ -1,7 +1,10 @@
 """Logging set-up: JSON lines for machines, a readable line for `--dev`.
 
-Access lines carry their fields as `extra=`; both formats include every field
-a record carries beyond the standard ones. Bodies are never logged.
+Access lines (logger `pylon.access`, one per request) carry their fields as
+`extra=`; both formats include every field a record carries beyond the
+standard ones (docs/observability.md lists the access fields). Bodies are
+never logged: fields named like a body are dropped and raw bytes are replaced
+by their length, so a careless `extra=` cannot leak a prompt.
 """
 
 from __future__ import annotations
@@ -9,22 +12,48 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from typing import Any
+from typing import Any, TextIO
 
 import orjson
 
+__all__ = ["LEVELS", "HumanFormatter", "JsonFormatter", "configure_logging"]
+
+LEVELS = ("debug", "info", "warning", "error")
+
 _STANDARD_ATTRIBUTES = frozenset(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
+
+NEVER_LOGGED = frozenset({"body", "request_body", "response_body", "content", "messages", "prompt"})
+"""Extra fields dropped from every line: request and response bodies stay private."""
+
+NOISY_LOGGERS = ("quic", "httpx", "httpcore", "aioquic")
+"""Chatty at info; their warnings still show."""
+
+
+def _loggable(value: Any) -> Any:
+    if isinstance(value, bytes | bytearray | memoryview):
+        return f"<{len(value)} bytes>"
+    return value
 
 
 def _extra_fields(record: logging.LogRecord) -> dict[str, Any]:
-    return {k: v for k, v in vars(record).items() if k not in _STANDARD_ATTRIBUTES}
+    return {
+        key: _loggable(value)
+        for key, value in vars(record).items()
+        if key not in _STANDARD_ATTRIBUTES and key not in NEVER_LOGGED
+    }
+
+
+def _timestamp(record: logging.LogRecord) -> str:
+    seconds = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+    return f"{seconds}.{int(record.msecs):03d}Z"
 
 
 class JsonFormatter(logging.Formatter):
+    """One JSON object per line: ts, level, logger, msg, then the record's extra fields."""
+
     def format(self, record: logging.LogRecord) -> str:
         line: dict[str, Any] = {
-            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
-            + f".{int(record.msecs):03d}Z",
+            "ts": _timestamp(record),
             "level": record.levelname.lower(),
             "logger": record.name,
             "msg": record.getMessage(),
@@ -35,9 +64,19 @@ class JsonFormatter(logging.Formatter):
         return orjson.dumps(line, default=str).decode()
 
 
+def _human_value(value: Any) -> str:
+    return f"{value:.6g}" if isinstance(value, float) else str(value)
+
+
 class HumanFormatter(logging.Formatter):
+    """`level logger: msg key=value ...`, leaving out fields that are None."""
+
     def format(self, record: logging.LogRecord) -> str:
-        fields = " ".join(f"{k}={v}" for k, v in _extra_fields(record).items() if v is not None)
+        fields = " ".join(
+            f"{key}={_human_value(value)}"
+            for key, value in _extra_fields(record).items()
+            if value is not None
+        )
         base = f"{record.levelname.lower():7} {record.name}: {record.getMessage()}"
         text = f"{base} {fields}".rstrip()
         if record.exc_info:
@@ -45,12 +84,14 @@ class HumanFormatter(logging.Formatter):
         return text
 
 
-def configure_logging(*, level: str, human: bool) -> None:
-    handler = logging.StreamHandler(sys.stderr)
+def configure_logging(*, level: str, human: bool, stream: TextIO | None = None) -> None:
+    """Send every log record to `stream` (stderr) in one format, at `level` or above."""
+    if level.lower() not in LEVELS:
+        raise ValueError(f"log level must be one of {', '.join(LEVELS)}")
+    handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
     handler.setFormatter(HumanFormatter() if human else JsonFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
-    # aioquic and httpx are chatty at info; their warnings still show.
-    for noisy in ("quic", "httpx", "httpcore", "aioquic"):
+    for noisy in NOISY_LOGGERS:
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))

@@ -3,44 +3,37 @@
 No module-level metrics: each `Metrics` owns its series on the registry it is
 given, so tests use a fresh `CollectorRegistry()`. One method per observation
 keeps label plumbing out of the pipeline. Label values come from fixed sets
-(backend, route class, status class, error code, deny-list entry, ...), never
-from request contents; series are pre-created so rates start at zero. Live
-gauges read state at scrape time instead of drifting inc()/dec() pairs.
+(backend, route class, status class, error kind, deny-list entry, ...), never
+from request contents: a value outside its set is counted as "other". Series
+are pre-created so rates start at zero. Live gauges read state at scrape time
+instead of drifting inc()/dec() pairs. docs/observability.md lists them all.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
-from backends.base import RouteClass
+from backends.base import BackendAdapter, RouteClass, dotted, prefix_pattern
 from pylon.pipeline import Derivation
+from pylon.readiness import ProbeResult
 
-LATENCY_BUCKETS_S = (
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1,
-    2.5,
-    5,
-    10,
-    30,
-    60,
-    120,
-    300,
+LATENCY_BUCKETS_S: tuple[float, ...] = (
+    *(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5),
+    *(1, 2.5, 5, 10, 30, 60, 120, 300),
 )
 """From a cached health check (ms) to a long generation (minutes)."""
 
 PRIORITY_BUCKETS = (0, 1, 5, 10, 50, 100, 250, 500, 750, 900, 990, 1000, 10_000, 100_000, 2**31 - 1)
 """Covers the default ceiling of 1000, scaled SGLang values, and the i32 bound."""
 
+OTHER = "other"
+"""Where a label value outside its fixed set is counted (a bug to look at, not a new series)."""
+UNROUTED = "unrouted"
+"""Route label of a request that failed before its route was classified."""
+ROUTES = (*(route.value for route in RouteClass), UNROUTED)
 STATUS_CLASSES = ("2xx", "3xx", "4xx", "5xx", "reset")
 REJECT_REASONS = (
     "bad_tunnel_header",
@@ -52,106 +45,157 @@ REJECT_REASONS = (
 )
 UPSTREAM_ERROR_KINDS = ("connect", "not_ready", "timeout", "reset", "protocol")
 CANCELLERS = ("gateway", "engine", "timeout")
+STRIP_KINDS = ("header", "body")
+PROBE_RESULTS = tuple(result.value for result in ProbeResult)
 
 
 def status_class(status: int | None) -> str:
     return "reset" if status is None else f"{min(max(status // 100, 2), 5)}xx"
 
 
+def bounded(value: str, allowed: Sequence[str]) -> str:
+    return value if value in allowed else OTHER
+
+
+@dataclass(frozen=True)
+class DenyList:
+    """The adapter's deny-list entries as they appear in `pylon_stripped_total{name}`."""
+
+    headers: tuple[str, ...] = ()
+    """Exact header names and prefix patterns (``x-gateway-destination-endpoint*``)."""
+    body_fields: tuple[str, ...] = ()
+    """Dotted JSON paths (``nvext.agent_hints.priority``)."""
+
+    @classmethod
+    def of(cls, adapter: BackendAdapter) -> DenyList:
+        exact = sorted(adapter.all_denied_headers() | adapter.derived_header_names())
+        prefixes = [prefix_pattern(prefix) for prefix in adapter.all_denied_header_prefixes()]
+        fields = [dotted(path) for path in adapter.all_denied_body_fields()]
+        return cls(headers=(*exact, *prefixes), body_fields=tuple(fields))
+
+    def names(self, kind: str) -> tuple[str, ...]:
+        return {"header": self.headers, "body": self.body_fields}.get(kind, ())
+
+
 class Metrics:
-    def __init__(self, registry: CollectorRegistry, *, backend: str, version: str) -> None:
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        *,
+        backend: str,
+        version: str,
+        deny_list: DenyList | None = None,
+    ) -> None:
         self.backend = backend
-        self.requests = Counter(
-            "pylon_requests_total",
-            "Tunnel requests finished, by route class and status class.",
-            ["backend", "route", "status_class"],
-            registry=registry,
-        )
-        self.duration = Histogram(
-            "pylon_request_duration_seconds",
-            "Time from request head to end of response.",
-            ["backend", "route"],
-            buckets=LATENCY_BUCKETS_S,
-            registry=registry,
-        )
-        self.ttfb = Histogram(
-            "pylon_time_to_first_byte_seconds",
-            "Time from request head to the first response body byte sent to the gateway.",
-            ["backend", "route"],
-            buckets=LATENCY_BUCKETS_S,
-            registry=registry,
-        )
-        self.priority = Histogram(
-            "pylon_priority_emitted",
-            "Engine-native priority value Pylon wrote, by backend.",
-            ["backend"],
-            buckets=PRIORITY_BUCKETS,
-            registry=registry,
-        )
-        self.derivations = Counter(
-            "pylon_priority_derivations_total",
-            "Priority derivation outcomes on tunneled requests.",
-            ["backend", "outcome"],
-            registry=registry,
-        )
-        self.stripped = Counter(
-            "pylon_stripped_total",
-            "Client-supplied scheduling/routing inputs removed, by deny-list entry.",
-            ["backend", "kind", "name"],
-            registry=registry,
-        )
-        self.rejected = Counter(
-            "pylon_requests_rejected_total",
-            "Requests Pylon answered itself without reaching the engine, by reason.",
-            ["backend", "reason"],
-            registry=registry,
-        )
-        self.upstream_errors = Counter(
-            "pylon_upstream_errors_total",
-            "Engine-side failures, by kind.",
-            ["backend", "kind"],
-            registry=registry,
-        )
-        self.cancellations = Counter(
-            "pylon_cancellations_total",
-            "Requests ended abnormally, by who ended them.",
-            ["backend", "by"],
-            registry=registry,
-        )
-        self.request_bytes = Counter(
-            "pylon_request_bytes_total",
-            "Request body bytes forwarded to the engine.",
-            ["backend"],
-            registry=registry,
-        )
-        self.response_bytes = Counter(
-            "pylon_response_bytes_total",
-            "Response body bytes sent to the gateway.",
-            ["backend"],
-            registry=registry,
-        )
+        self.deny_list = deny_list
+        self._registry = registry
+        self._declare_requests()
+        self._declare_inputs()
+        self._declare_failures()
         self.build_info = Info("pylon_build", "Pylon version and backend.", registry=registry)
         self.build_info.info({"version": version, "backend": backend})
-        self._registry = registry
         self._precreate()
 
+    def _counter(self, name: str, documentation: str, *labels: str) -> Counter:
+        return Counter(name, documentation, ["backend", *labels], registry=self._registry)
+
+    def _histogram(
+        self, name: str, documentation: str, labels: Sequence[str], buckets: Sequence[float]
+    ) -> Histogram:
+        return Histogram(
+            name, documentation, ["backend", *labels], buckets=buckets, registry=self._registry
+        )
+
+    def _declare_requests(self) -> None:
+        self.requests = self._counter(
+            "pylon_requests_total",
+            "Tunnel requests finished, by route class and status class.",
+            "route",
+            "status_class",
+        )
+        self.duration = self._histogram(
+            "pylon_request_duration_seconds",
+            "Time from request head to end of response.",
+            ["route"],
+            LATENCY_BUCKETS_S,
+        )
+        self.ttfb = self._histogram(
+            "pylon_time_to_first_byte_seconds",
+            "Time from request head to the first response body byte sent to the gateway.",
+            ["route"],
+            LATENCY_BUCKETS_S,
+        )
+        self.request_bytes = self._counter(
+            "pylon_request_bytes_total", "Request body bytes forwarded to the engine."
+        )
+        self.response_bytes = self._counter(
+            "pylon_response_bytes_total", "Response body bytes sent to the gateway."
+        )
+
+    def _declare_inputs(self) -> None:
+        self.priority = self._histogram(
+            "pylon_priority_emitted",
+            "Engine-native priority value Pylon wrote, by backend.",
+            [],
+            PRIORITY_BUCKETS,
+        )
+        self.derivations = self._counter(
+            "pylon_priority_derivations_total",
+            "Priority derivation outcomes on tunneled requests.",
+            "outcome",
+        )
+        self.stripped = self._counter(
+            "pylon_stripped_total",
+            "Client-supplied scheduling/routing inputs removed, by deny-list entry.",
+            "kind",
+            "name",
+        )
+
+    def _declare_failures(self) -> None:
+        self.rejected = self._counter(
+            "pylon_requests_rejected_total",
+            "Requests Pylon answered itself without reaching the engine, by reason.",
+            "reason",
+        )
+        self.upstream_errors = self._counter(
+            "pylon_upstream_errors_total", "Engine-side failures, by kind.", "kind"
+        )
+        self.cancellations = self._counter(
+            "pylon_cancellations_total", "Requests ended abnormally, by who ended them.", "by"
+        )
+        self.engine_ready = Gauge(
+            "pylon_engine_ready",
+            "1 when the last engine health probe succeeded, else 0.",
+            ["backend"],
+            registry=self._registry,
+        )
+        self.engine_probes = self._counter(
+            "pylon_engine_probes_total", "Engine health probes, by result.", "result"
+        )
+
     def _precreate(self) -> None:
-        for route in RouteClass:
+        backend = self.backend
+        for route in ROUTES:
             for status in STATUS_CLASSES:
-                self.requests.labels(self.backend, route.value, status)
-            self.duration.labels(self.backend, route.value)
-            self.ttfb.labels(self.backend, route.value)
-        for outcome in Derivation:
-            self.derivations.labels(self.backend, outcome.value)
-        for reason in REJECT_REASONS:
-            self.rejected.labels(self.backend, reason)
-        for kind in UPSTREAM_ERROR_KINDS:
-            self.upstream_errors.labels(self.backend, kind)
-        for by in CANCELLERS:
-            self.cancellations.labels(self.backend, by)
-        self.priority.labels(self.backend)
-        self.request_bytes.labels(self.backend)
-        self.response_bytes.labels(self.backend)
+                self.requests.labels(backend, route, status)
+            self.duration.labels(backend, route)
+            self.ttfb.labels(backend, route)
+        labelled: list[tuple[Counter, Iterable[str]]] = [
+            (self.derivations, (outcome.value for outcome in Derivation)),
+            (self.rejected, REJECT_REASONS),
+            (self.upstream_errors, UPSTREAM_ERROR_KINDS),
+            (self.cancellations, CANCELLERS),
+            (self.engine_probes, PROBE_RESULTS),
+        ]
+        for counter, values in labelled:
+            for value in values:
+                counter.labels(backend, value)
+        for kind in STRIP_KINDS:
+            for name in self.deny_list.names(kind) if self.deny_list is not None else ():
+                self.stripped.labels(backend, kind, name)
+        for unlabelled in (self.priority, self.request_bytes, self.response_bytes):
+            unlabelled.labels(backend)
+        self.engine_ready.labels(backend).set(0)
 
     def live_gauge(self, name: str, documentation: str, read: Callable[[], float]) -> None:
         """A gauge whose value is read from live state at scrape time."""
@@ -169,6 +213,7 @@ class Metrics:
         request_bytes: int,
         response_bytes: int,
     ) -> None:
+        route = bounded(route, ROUTES)
         self.requests.labels(self.backend, route, status_class(status)).inc()
         self.duration.labels(self.backend, route).observe(duration_s)
         if ttfb_s is not None:
@@ -182,14 +227,26 @@ class Metrics:
             self.priority.labels(self.backend).observe(emitted)
 
     def inputs_stripped(self, kind: str, names: Iterable[str]) -> None:
+        kind = bounded(kind, STRIP_KINDS)
         for name in names:
-            self.stripped.labels(self.backend, kind, name).inc()
+            self.stripped.labels(self.backend, kind, self._deny_entry(kind, name)).inc()
+
+    def _deny_entry(self, kind: str, name: str) -> str:
+        # Without a deny list (unit tests of other parts) the sanitizer's own
+        # output is trusted: it only ever returns deny-list entries.
+        if self.deny_list is None:
+            return name
+        return bounded(name, self.deny_list.names(kind))
 
     def request_rejected(self, reason: str) -> None:
-        self.rejected.labels(self.backend, reason).inc()
+        self.rejected.labels(self.backend, bounded(reason, REJECT_REASONS)).inc()
 
     def upstream_failed(self, kind: str) -> None:
-        self.upstream_errors.labels(self.backend, kind).inc()
+        self.upstream_errors.labels(self.backend, bounded(kind, UPSTREAM_ERROR_KINDS)).inc()
 
     def request_cancelled(self, by: str) -> None:
-        self.cancellations.labels(self.backend, by).inc()
+        self.cancellations.labels(self.backend, bounded(by, CANCELLERS)).inc()
+
+    def engine_probed(self, result: ProbeResult, *, ready: bool) -> None:
+        self.engine_probes.labels(self.backend, result.value).inc()
+        self.engine_ready.labels(self.backend).set(1 if ready else 0)

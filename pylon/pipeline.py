@@ -69,9 +69,15 @@ def classify_route(
 
 
 def plan_request(
-    head: RequestHead, *, adapter: BackendAdapter, options: PipelineOptions
+    head: RequestHead,
+    *,
+    adapter: BackendAdapter,
+    options: PipelineOptions,
+    route_class: RouteClass | None = None,
 ) -> RequestPlan:
-    route_class = classify_route(adapter, head, options.extra_health_paths)
+    """Plan a request; `route_class` may be passed when the caller already classified it."""
+    if route_class is None:
+        route_class = classify_route(adapter, head, options.extra_health_paths)
     is_health = route_class is RouteClass.HEALTH
     tunnel = parse_tunnel_headers(head.headers, require_request_id=not is_health)
     derivation, derived = _derive(adapter, route_class, tunnel, options)

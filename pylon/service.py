@@ -19,7 +19,13 @@ from backends.base import BackendAdapter
 from pylon.errors import BodyTooLarge, PylonError, RequestRejected, UpstreamError, UpstreamTimeout
 from pylon.forwarder import Forwarder
 from pylon.metrics import Metrics
-from pylon.pipeline import PipelineOptions, RequestPlan, plan_request, sanitize_body
+from pylon.pipeline import (
+    PipelineOptions,
+    RequestPlan,
+    classify_route,
+    plan_request,
+    sanitize_body,
+)
 from pylon.tunnel_headers import REQUEST_ID
 from tunnel.stream import TunnelStream
 from tunnel.types import StreamAborted
@@ -81,8 +87,12 @@ class TunnelService:
             self._account(stream, exchange, duration_s=loop.time() - exchange.started)
 
     async def _serve(self, stream: TunnelStream, exchange: Exchange) -> None:
-        plan = plan_request(stream.head, adapter=self._adapter, options=self._options.pipeline)
-        exchange.route = plan.route_class.value
+        options = self._options.pipeline
+        route_class = classify_route(self._adapter, stream.head, options.extra_health_paths)
+        exchange.route = route_class.value
+        plan = plan_request(
+            stream.head, adapter=self._adapter, options=options, route_class=route_class
+        )
         exchange.request_id = plan.tunnel.request_id
         self._metrics.inputs_stripped("header", plan.stripped_headers)
         content = await self._request_content(stream, plan, exchange)

@@ -51,6 +51,10 @@ async def wait_for(predicate: Callable[[], bool], timeout_s: float = 1.0) -> flo
     return time.monotonic() - start
 
 
+def queued(engine: MockEngine, count: int) -> Callable[[], bool]:
+    return lambda: bool(engine.snapshot()["queued"] == count)
+
+
 def sse_data(text: str) -> list[str]:
     return [line[len("data: ") :] for line in text.split("\n\n") if line.startswith("data: ")]
 
@@ -368,7 +372,7 @@ def test_error_shapes(engine: str, method: str, path: str, content: bytes, statu
             assert resp.status_code == status
             body = resp.json()
             assert set(body) == ERROR_KEYS[engine]
-            inner = body["error"] if "error" in body else body
+            inner = body.get("error", body)
             assert inner["code"] == status and inner["message"]
             if "error" in body:
                 assert set(inner) == {"message", "type", "param", "code"}
@@ -496,13 +500,15 @@ def test_close_aborts_open_streams_promptly() -> None:
     async def scenario() -> None:
         engine = MockEngine(MockEngineOptions(tokens=1000, token_delay_s=0.01))
         await engine.start()
-        async with httpx.AsyncClient(base_url=engine.url) as client:
-            async with client.stream("POST", CHAT, json={"stream": True}) as resp:
-                started = time.monotonic()
-                await engine.close()
-                with pytest.raises(httpx.RemoteProtocolError):
-                    await resp.aread()
-                assert time.monotonic() - started < 0.5
+        async with (
+            httpx.AsyncClient(base_url=engine.url) as client,
+            client.stream("POST", CHAT, json={"stream": True}) as resp,
+        ):
+            started = time.monotonic()
+            await engine.close()
+            with pytest.raises(httpx.RemoteProtocolError):
+                await resp.aread()
+            assert time.monotonic() - started < 0.5
 
     run(scenario())
 
@@ -541,18 +547,15 @@ def test_queue_order_with_one_slot(
     async def scenario() -> None:
         opts = {"engine": engine, "slots": 1, "tokens": 1000, "token_delay_s": 0.005, **options}
         async with engine_client(**opts) as (eng, client):
-            blocker = client.stream("POST", CHAT, json={"stream": True},
-                                    headers={"x-request-id": "blocker"})  # fmt: skip
-            resp = await blocker.__aenter__()
             tasks: list[asyncio.Task[httpx.Response]] = []
-            for rid, headers, body in requests:
-                post = client.post(CHAT, json={**body, "max_tokens": 1},
-                                   headers=[("x-request-id", rid), *headers])  # fmt: skip
-                tasks.append(asyncio.create_task(post))
-                count = len(tasks)
-                await wait_for(lambda n=count: eng.snapshot()["queued"] == n)  # type: ignore[misc]
-            await resp.aclose()  # the disconnect frees the slot
-            await blocker.__aexit__(None, None, None)
+            blocker_headers = {"x-request-id": "blocker"}
+            async with client.stream("POST", CHAT, json={"stream": True}, headers=blocker_headers):
+                for rid, headers, body in requests:
+                    post = client.post(CHAT, json={**body, "max_tokens": 1},
+                                       headers=[("x-request-id", rid), *headers])  # fmt: skip
+                    tasks.append(asyncio.create_task(post))
+                    await wait_for(queued(eng, len(tasks)))
+            # leaving the block disconnects the blocker, which frees the slot
             results = await asyncio.gather(*tasks)
             assert all(r.status_code == 200 for r in results)
             assert eng.snapshot()["started_order"] == ["blocker", *expected]
@@ -622,4 +625,3 @@ def test_parse_rust_int(text: str | None, bounds: tuple[int, int], expected: int
 def test_options_reject_unknown_engine() -> None:
     with pytest.raises(ValueError):
         MockEngineOptions(engine="tgi")
-

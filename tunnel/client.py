@@ -24,6 +24,7 @@ from aioquic.h3.events import DataReceived, H3Event, HeadersReceived
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.events import ConnectionTerminated, QuicEvent, StreamReset
 
+from tunnel.flow import ConsumptionCredit
 from tunnel.types import HeaderList, StreamAborted
 
 _END = object()
@@ -53,6 +54,7 @@ class ClientResponse:
                 return
             if isinstance(item, StreamAborted):
                 raise item
+            self._client.consumed(self.stream_id, len(item))
             yield item
 
     async def read(self) -> bytes:
@@ -68,7 +70,24 @@ class H3Client(QuicConnectionProtocol):
         super().__init__(*args, **kwargs)
         self._h3 = H3Connection(self._quic)
         self._heads: dict[int, asyncio.Future[tuple[int, HeaderList]]] = {}
+        self._responses: dict[
+            int, tuple[asyncio.Future[tuple[int, HeaderList]], asyncio.Queue[Any]]
+        ] = {}
+        """Body queues kept until `response()` collects them, even if the stream ended."""
         self._bodies: dict[int, asyncio.Queue[Any]] = {}
+        self._credit: ConsumptionCredit | None = None
+
+    def limit_receive_window(self, window_bytes: int) -> None:
+        """Grant response credit only as the caller reads: makes a slow reader really slow.
+
+        aioquic otherwise grows the window as data arrives, whether read or not.
+        """
+        self._credit = ConsumptionCredit(self._quic, window_bytes=window_bytes)
+
+    def consumed(self, stream_id: int, byte_count: int) -> None:
+        if self._credit is not None:
+            self._credit.consumed(stream_id, byte_count)
+            self.transmit()
 
     def quic_event_received(self, event: QuicEvent) -> None:
         if isinstance(event, StreamReset):
@@ -91,11 +110,15 @@ class H3Client(QuicConnectionProtocol):
         elif isinstance(event, DataReceived):
             queue = self._bodies.get(event.stream_id)
             if queue is not None and event.data:
+                if self._credit is not None:
+                    self._credit.received(event.stream_id, len(event.data))
                 queue.put_nowait(event.data)
             if event.stream_ended:
                 self._end(event.stream_id)
 
     def _end(self, stream_id: int) -> None:
+        if self._credit is not None:
+            self._credit.forget(stream_id)
         queue = self._bodies.pop(stream_id, None)
         if queue is not None:
             queue.put_nowait(_END)
@@ -120,8 +143,12 @@ class H3Client(QuicConnectionProtocol):
     def open_request(self, headers: HeaderList, *, end: bool) -> int:
         """Send a raw header list on a new stream (no validation) and return its id."""
         stream_id = self._quic.get_next_available_stream_id()
-        self._heads[stream_id] = self._loop.create_future()
-        self._bodies[stream_id] = asyncio.Queue()
+        head: asyncio.Future[tuple[int, HeaderList]] = self._loop.create_future()
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._heads[stream_id], self._bodies[stream_id] = head, queue
+        self._responses[stream_id] = (head, queue)
+        if self._credit is not None:
+            self._credit.track(stream_id)
         self._h3.send_headers(stream_id, list(headers), end_stream=end)
         self.transmit()
         return stream_id
@@ -131,11 +158,8 @@ class H3Client(QuicConnectionProtocol):
         self.transmit()
 
     async def response(self, stream_id: int) -> ClientResponse:
-        status, headers = await self._heads[stream_id]
-        queue = self._bodies.get(stream_id)
-        if queue is None:  # ended with the head
-            queue = asyncio.Queue()
-            queue.put_nowait(_END)
+        head, queue = self._responses.pop(stream_id)
+        status, headers = await head
         return ClientResponse(stream_id, status, headers, queue, self)
 
     async def request(

@@ -3,8 +3,10 @@
 aioquic raises a stream's receive window whenever the peer has used half of
 it, however much the application has left unread, so a fast uploader can make
 the endpoint buffer without bound. `ConsumptionCredit` replaces that rule for
-request streams: the window is `consumed + window_bytes`, advanced only as the
-handler reads. aioquic also keeps every unacknowledged byte of a stream in its
+request streams: the limit is the delivered stream offset, minus what the
+handler has not read yet, plus `window_bytes`; it advances only as the handler
+reads. Counting stream offsets (not payload bytes) keeps HTTP/3 frame headers
+in the account, so the window cannot drift shut on a long stream. aioquic also keeps every unacknowledged byte of a stream in its
 send buffer with no backpressure; `unacked_send_bytes` reads that depth so the
 writer can wait for the peer.
 
@@ -39,28 +41,41 @@ class ConsumptionCredit:
     def __init__(self, quic: QuicConnection, *, window_bytes: int) -> None:
         self._quic = quic
         self._window_bytes = window_bytes
-        self._consumed: dict[int, int] = {}
+        self._unread: dict[int, int] = {}
         self._default_write_stream_limits = quic._write_stream_limits
         quic._write_stream_limits = self._write_stream_limits  # type: ignore[method-assign]
 
     def track(self, stream_id: int) -> None:
-        self._consumed[stream_id] = 0
+        self._unread[stream_id] = 0
 
     def forget(self, stream_id: int) -> None:
-        self._consumed.pop(stream_id, None)
+        self._unread.pop(stream_id, None)
+
+    def received(self, stream_id: int, byte_count: int) -> None:
+        """Payload handed to the application's buffer, not yet read."""
+        if stream_id in self._unread:
+            self._unread[stream_id] += byte_count
 
     def consumed(self, stream_id: int, byte_count: int) -> None:
-        if stream_id in self._consumed:
-            self._consumed[stream_id] += byte_count
+        """Payload the application has read."""
+        if stream_id in self._unread:
+            self._unread[stream_id] -= byte_count
 
     def _write_stream_limits(self, builder: QuicPacketBuilder, space: Any, stream: Any) -> None:
-        consumed = self._consumed.get(stream.stream_id)
-        if consumed is None or not stream.max_stream_data_local:
+        unread = self._unread.get(stream.stream_id)
+        if unread is None or not stream.max_stream_data_local:
             self._default_write_stream_limits(builder=builder, space=space, stream=stream)
             return
-        stream.max_stream_data_local = max(
-            stream.max_stream_data_local, consumed + self._window_bytes
-        )
+        # Raise the limit in half-window steps: one MAX_STREAM_DATA per small
+        # read would flood the peer with ack-eliciting packets. But always raise
+        # once the peer has reached the limit: aioquic holds back even the
+        # retransmission of lost bytes on a blocked stream, so waiting for a
+        # half-window of reads behind a gap would deadlock.
+        target = stream.receiver.starting_offset() - unread + self._window_bytes
+        peer_blocked = stream.receiver.highest_offset >= stream.max_stream_data_local
+        step = target - stream.max_stream_data_local
+        if step >= self._window_bytes // 2 or (peer_blocked and step > 0):
+            stream.max_stream_data_local = target
         if stream.max_stream_data_local_sent == stream.max_stream_data_local:
             return
         buf = builder.start_frame(

@@ -97,6 +97,7 @@ class TunnelProtocol(QuicConnectionProtocol):
         elif isinstance(event, DataReceived):
             stream = self.streams.get(event.stream_id)
             if stream is not None:
+                self._credit.received(event.stream_id, len(event.data))
                 stream.feed(event.data, end=event.stream_ended)
         elif isinstance(event, RequestMalformed):
             logger.info("malformed request on stream %d: %s", event.stream_id, event.reason)

@@ -88,8 +88,8 @@ class Dispatcher:
     async def handle(self, request: IncomingRequest, out: Responder) -> None:
         kind = classify(self.flavour, request.method, request.path)
         if kind is RouteKind.CONTROL:
-            status, body = self.control.handle(request.method, request.body)
-            await out.send(status, JSON_HEADERS, responses.dumps(body))
+            status, answer = self.control.handle(request.method, request.body)
+            await out.send(status, JSON_HEADERS, responses.dumps(answer))
             return
         body = parse_object(request.body) if request.body else None
         record = self._record(request, body or {})

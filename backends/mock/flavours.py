@@ -209,7 +209,7 @@ FLAVOURS: dict[str, Flavour] = {
     ),
     "vllm": Flavour(
         "vllm", _OPENAI_ROUTES, frozenset({"/health", "/ping"}), nested_error, resolve_vllm,
-        TABLES["vllm"], echo_request_id=True, keep_alive_comment=True,
+        TABLES["vllm"], echo_request_id=False, keep_alive_comment=True,
     ),
     "sglang": Flavour(
         "sglang", _SGLANG_ROUTES,
@@ -218,4 +218,3 @@ FLAVOURS: dict[str, Flavour] = {
     ),
 }  # fmt: skip
 """Flavour by engine name (dispatch by table)."""
-

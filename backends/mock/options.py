@@ -91,7 +91,7 @@ def _check_field(name: str, value: Any) -> None:
         return
     if name in _OPTIONAL_INT_FIELDS and (value is None or (is_int and value >= 0)):
         return
-    if name == "token_delay_ms" and not isinstance(value, bool):
-        if isinstance(value, int | float) and value >= 0:
-            return
+    is_number = isinstance(value, int | float) and not isinstance(value, bool)
+    if name == "token_delay_ms" and is_number and value >= 0:
+        return
     raise ValueError(f"invalid test-control field {name}={value!r}")

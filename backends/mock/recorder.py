@@ -71,6 +71,9 @@ class Recorder:
     """Bounded request history plus the indexes GET /test-control returns."""
 
     def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
         self._records: deque[RequestRecord] = deque(maxlen=MAX_RECORDS)
         self._latest: dict[str, dict[str, RequestRecord]] = {}
         self._aborted: deque[str] = deque(maxlen=MAX_RECORDS)
@@ -93,9 +96,6 @@ class Recorder:
         if aborted and not record.aborted:
             record.aborted = True
             self._aborted.append(record.request_id)
-
-    def clear(self) -> None:
-        self.__init__()  # type: ignore[misc]
 
     def snapshot(self, *, queued: int, running: int) -> dict[str, Any]:
         latest = {

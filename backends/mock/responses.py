@@ -117,9 +117,11 @@ def generate_body(rid: str, _model: str, tokens: int) -> dict[str, Any]:
 
 
 def chat_chunk(rid: str, model: str, index: int) -> bytes:
-    delta = {"role": "assistant", "content": token_text(index)} if index == 0 else {
-        "content": token_text(index)
-    }
+    delta = (
+        {"role": "assistant", "content": token_text(index)}
+        if index == 0
+        else {"content": token_text(index)}
+    )
     return sse(_chunk(f"chatcmpl-{rid}", "chat.completion.chunk", model, {"delta": delta}))
 
 

@@ -71,7 +71,9 @@ class MockEngine:
     def set_behaviour(self, **changes: Any) -> None:
         self._dispatcher.control.set_behaviour(changes)
 
-    async def _on_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _on_connection(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
         task = asyncio.current_task()
         assert task is not None
         self._connections[task] = writer
@@ -178,7 +180,9 @@ class _Connection:
         if not isinstance(event, h11.Request):
             return None
         if self._conn.they_are_waiting_for_100_continue:
-            self._writer.write(self._conn.send(h11.InformationalResponse(status_code=100)) or b"")
+            self._writer.write(
+                self._conn.send(h11.InformationalResponse(status_code=100, headers=[])) or b""
+            )
         body = bytearray()
         while True:
             part = await self._next_event()

@@ -1,0 +1,138 @@
+"""Tests of pylon/logs.py with real log records through real handlers.
+
+A record is made by `logger.info(..., extra=...)` exactly as the service
+writes its access line, formatted by the handler, and parsed back.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pylon.logs import NOISY_LOGGERS, HumanFormatter, JsonFormatter, configure_logging
+
+ACCESS_FIELDS: dict[str, Any] = {
+    "request_id": "r1",
+    "backend": "vllm",
+    "route": "inference",
+    "status": 200,
+    "emitted_priority": 7,
+    "ttfb_s": 0.012345678,
+    "duration_s": 1.5,
+    "request_bytes": 120,
+    "response_bytes": 4096,
+    "error": None,
+    "cancelled_by": None,
+}
+
+
+@pytest.fixture
+def root_logging() -> Iterator[None]:
+    """Restore the root logger and the noisy loggers after configure_logging."""
+    root = logging.getLogger()
+    saved = (root.handlers[:], root.level)
+    noisy = {name: logging.getLogger(name).level for name in NOISY_LOGGERS}
+    yield
+    root.handlers[:], root.level = saved[0], saved[1]
+    for name, level in noisy.items():
+        logging.getLogger(name).setLevel(level)
+
+
+def emit(formatter: logging.Formatter, *, exc: bool = False, **extra: Any) -> str:
+    """Log one record through a real logger and handler; return the formatted line."""
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(formatter)
+    logger = logging.getLogger("pylon.access.test")
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    logger.propagate = False
+    try:
+        if exc:
+            try:
+                raise RuntimeError("boom")
+            except RuntimeError:
+                logger.exception("request failed", extra=extra)
+        else:
+            logger.info("request finished", extra=extra)
+    finally:
+        logger.removeHandler(handler)
+    return stream.getvalue().rstrip("\n")
+
+
+def test_json_access_line_has_every_field() -> None:
+    line = json.loads(emit(JsonFormatter(), **ACCESS_FIELDS))
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", line.pop("ts"))
+    assert line == {
+        "level": "info",
+        "logger": "pylon.access.test",
+        "msg": "request finished",
+        **ACCESS_FIELDS,
+    }
+
+
+def test_json_line_is_one_line_and_serializes_anything() -> None:
+    text = emit(JsonFormatter(), where=Path("/tmp/x"), note="two\nlines")
+    assert "\n" not in text
+    line = json.loads(text)
+    assert (line["where"], line["note"]) == ("/tmp/x", "two\nlines")
+
+
+def test_json_line_carries_the_exception() -> None:
+    line = json.loads(emit(JsonFormatter(), exc=True, request_id="r2"))
+    assert line["level"] == "error" and line["request_id"] == "r2"
+    assert "RuntimeError: boom" in line["exc"]
+
+
+def test_human_line_is_readable_and_skips_empty_fields() -> None:
+    text = emit(HumanFormatter(), **ACCESS_FIELDS)
+    assert text.startswith("info    pylon.access.test: request finished request_id=r1 ")
+    assert "status=200" in text and "emitted_priority=7" in text
+    assert "ttfb_s=0.0123457" in text
+    assert "cancelled_by" not in text and "error" not in text
+
+
+@pytest.mark.parametrize("formatter", [JsonFormatter(), HumanFormatter()])
+def test_bodies_are_never_logged(formatter: logging.Formatter) -> None:
+    text = emit(
+        formatter,
+        body=b"SECRET-PROMPT",
+        request_body="SECRET-PROMPT",
+        messages=[{"role": "user", "content": "SECRET-PROMPT"}],
+        chunk=b"SECRET-TOKEN",
+        request_id="r3",
+    )
+    assert "SECRET" not in text
+    assert "<12 bytes>" in text and "r3" in text
+
+
+@pytest.mark.usefixtures("root_logging")
+def test_configure_logging_json_at_the_configured_level() -> None:
+    stream = io.StringIO()
+    configure_logging(level="warning", human=False, stream=stream)
+    logging.getLogger("pylon.access").info("dropped", extra={"request_id": "r4"})
+    logging.getLogger("pylon").warning("kept", extra={"request_id": "r5"})
+    (line,) = [json.loads(text) for text in stream.getvalue().splitlines()]
+    assert (line["msg"], line["request_id"], line["level"]) == ("kept", "r5", "warning")
+
+
+@pytest.mark.usefixtures("root_logging")
+def test_configure_logging_human_for_dev_and_quiet_libraries() -> None:
+    stream = io.StringIO()
+    configure_logging(level="debug", human=True, stream=stream)
+    logging.getLogger("pylon.priority").debug("engine priority 5 emitted")
+    logging.getLogger("httpx").info("HTTP Request: GET /health")
+    assert stream.getvalue() == "debug   pylon.priority: engine priority 5 emitted\n"
+    assert logging.getLogger("httpx").level == logging.WARNING
+
+
+def test_configure_logging_rejects_an_unknown_level() -> None:
+    with pytest.raises(ValueError, match="log level"):
+        configure_logging(level="verbose", human=False)
