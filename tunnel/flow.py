@@ -6,8 +6,9 @@ the endpoint buffer without bound. `ConsumptionCredit` replaces that rule for
 request streams: the limit is the delivered stream offset, minus what the
 handler has not read yet, plus `window_bytes`; it advances only as the handler
 reads. Counting stream offsets (not payload bytes) keeps HTTP/3 frame headers
-in the account, so the window cannot drift shut on a long stream. aioquic also keeps every unacknowledged byte of a stream in its
-send buffer with no backpressure; `unacked_send_bytes` reads that depth so the
+in the account, so the window cannot drift shut on a long stream. aioquic also
+keeps every unacknowledged byte of a stream in its send buffer with no
+backpressure; `unacked_send_bytes` reads that depth so the
 writer can wait for the peer.
 
 Both reach into aioquic internals (`QuicConnection._write_stream_limits`,

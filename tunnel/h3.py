@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from aioquic.h3.connection import ErrorCode, H3Connection, MessageError
+from aioquic.h3.connection import ErrorCode, H3Connection, MessageError, stream_is_request_response
 from aioquic.h3.events import H3Event
 from aioquic.quic.connection import QuicConnection, stream_is_unidirectional
 from aioquic.quic.events import QuicEvent, StreamDataReceived, StreamReset
@@ -75,5 +75,10 @@ class TunnelH3Connection(H3Connection):
 
     @property
     def tracked_stream_count(self) -> int:
-        """Number of per-stream state objects held (for leak tests and gauges)."""
-        return len(self._stream) + len(self._failed_streams)
+        """Request streams whose state is held (for leak tests and gauges).
+
+        The peer's control and QPACK streams live as long as the connection and
+        are not counted.
+        """
+        requests = sum(1 for stream_id in self._stream if stream_is_request_response(stream_id))
+        return requests + len(self._failed_streams)

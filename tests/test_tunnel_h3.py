@@ -1,0 +1,165 @@
+"""HTTP/3 request validation, in memory: a malformed request fails its stream, not the connection.
+
+Client and server QuicConnections exchange datagrams directly (no sockets), as
+aioquic's own tests do, so each case is deterministic.
+"""
+
+from __future__ import annotations
+
+import ssl
+from collections.abc import Iterable
+from pathlib import Path
+
+import pytest
+from aioquic.h3.connection import H3_ALPN, ErrorCode, H3Connection
+from aioquic.h3.events import DataReceived, H3Event, HeadersReceived
+from aioquic.quic.configuration import QuicConfiguration
+from aioquic.quic.connection import QuicConnection
+from aioquic.quic.events import QuicEvent, StreamReset
+
+from pylon.devcert import ensure_dev_certificate
+from tunnel.h3 import RequestMalformed, TunnelH3Connection
+from tunnel.types import MalformedRequest
+from tunnel.validation import parse_request_head
+
+CLIENT_ADDR = ("1.2.3.4", 1234)
+SERVER_ADDR = ("2.3.4.5", 4433)
+GOOD_HEAD = [(b":method", b"GET"), (b":scheme", b"https"), (b":authority", b"n"), (b":path", b"/")]
+
+
+class Pair:
+    """A connected client/server pair; `pump` moves datagrams until both are quiet."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        cert, key = ensure_dev_certificate(tmp_path)
+        server_configuration = QuicConfiguration(is_client=False, alpn_protocols=H3_ALPN)
+        server_configuration.load_cert_chain(cert, key)
+        client_configuration = QuicConfiguration(is_client=True, alpn_protocols=H3_ALPN)
+        client_configuration.verify_mode = ssl.CERT_NONE
+        self.client = QuicConnection(configuration=client_configuration)
+        self.server = QuicConnection(
+            configuration=server_configuration,
+            original_destination_connection_id=self.client.original_destination_connection_id,
+        )
+        self.client.connect(SERVER_ADDR, now=0.0)
+        self.now = 0.0
+        self.pump()
+        self.client_h3 = H3Connection(self.client)
+        self.server_h3 = TunnelH3Connection(self.server)
+        self.server_events: list[H3Event] = []
+        self.server_quic_events: list[QuicEvent] = []
+        self.client_quic_events: list[QuicEvent] = []
+        self.pump()
+
+    def pump(self) -> None:
+        for _ in range(50):
+            self.now += 0.001
+            moved = self._move(self.client, self.server, CLIENT_ADDR)
+            moved += self._move(self.server, self.client, SERVER_ADDR)
+            self._drain_events()
+            if not moved:
+                return
+
+    def _move(self, sender: QuicConnection, receiver: QuicConnection, addr: tuple[str, int]) -> int:
+        datagrams = sender.datagrams_to_send(now=self.now)
+        for data, _ in datagrams:
+            receiver.receive_datagram(data, addr, now=self.now)
+        return len(datagrams)
+
+    def _drain_events(self) -> None:
+        if not hasattr(self, "server_h3"):
+            while self.server.next_event() or self.client.next_event():
+                pass
+            return
+        while (event := self.server.next_event()) is not None:
+            self.server_quic_events.append(event)
+            self.server_events.extend(self.server_h3.handle_event(event))
+        while (event := self.client.next_event()) is not None:
+            self.client_quic_events.append(event)
+            self.client_h3.handle_event(event)
+
+    def request(self, headers: Iterable[tuple[bytes, bytes]], *, body: bytes = b"") -> int:
+        stream_id = self.client.get_next_available_stream_id()
+        self.client_h3.send_headers(stream_id, list(headers), end_stream=not body)
+        for index in range(len(body)):  # one byte per write flushes out buffering bugs
+            self.client_h3.send_data(stream_id, body[index : index + 1], end_stream=False)
+        if body:
+            self.client_h3.send_data(stream_id, b"", end_stream=True)
+        self.pump()
+        return stream_id
+
+    @property
+    def server_open(self) -> bool:
+        return not self.server._close_pending and self.server._close_event is None
+
+
+MALFORMED = {
+    "uppercase-name": [*GOOD_HEAD, (b"X-Upper", b"1")],
+    "missing-path": GOOD_HEAD[:3],
+    "missing-method": GOOD_HEAD[1:],
+    "duplicate-path": [*GOOD_HEAD, (b":path", b"/again")],
+    "pseudo-after-regular": [*GOOD_HEAD[:3], (b"accept", b"*/*"), GOOD_HEAD[3]],
+    "unknown-pseudo": [*GOOD_HEAD, (b":bogus", b"x")],
+    "connection-header": [*GOOD_HEAD, (b"connection", b"close")],
+    "te-not-trailers": [*GOOD_HEAD, (b"te", b"gzip")],
+    "empty-path": [*GOOD_HEAD[:3], (b":path", b"")],
+}
+
+
+@pytest.mark.parametrize("headers", MALFORMED.values(), ids=MALFORMED.keys())
+def test_malformed_request_fails_only_its_stream(tmp_path: Path, headers: list) -> None:
+    pair = Pair(tmp_path)
+    bad = pair.request(headers)
+    malformed = [e for e in pair.server_events if isinstance(e, RequestMalformed)]
+    assert [e.stream_id for e in malformed] == [bad]
+    assert any(
+        isinstance(e, StreamReset)
+        and e.stream_id == bad
+        and e.error_code == ErrorCode.H3_MESSAGE_ERROR
+        for e in pair.client_quic_events
+    )
+    assert pair.server_open
+    good = pair.request(GOOD_HEAD)
+    assert any(isinstance(e, HeadersReceived) and e.stream_id == good for e in pair.server_events)
+    assert pair.server_open
+
+
+def test_content_length_mismatch_fails_the_stream_after_headers(tmp_path: Path) -> None:
+    pair = Pair(tmp_path)
+    head = [(b":method", b"POST"), *GOOD_HEAD[1:], (b"content-length", b"10")]
+    bad = pair.request(head, body=b"abc")
+    assert any(isinstance(e, RequestMalformed) and e.stream_id == bad for e in pair.server_events)
+    assert pair.server_open
+    good = pair.request(head[:-1], body=b"hello")
+    data = b"".join(
+        e.data for e in pair.server_events if isinstance(e, DataReceived) and e.stream_id == good
+    )
+    assert data == b"hello"
+
+
+def test_failed_stream_state_is_released(tmp_path: Path) -> None:
+    pair = Pair(tmp_path)
+    for _ in range(20):
+        pair.request(MALFORMED["uppercase-name"])
+    assert pair.server_open
+    assert pair.server_h3.tracked_stream_count == 0
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        [(b":method", b"CONNECT"), (b":authority", b"h:1")],
+        [*GOOD_HEAD[:3], (b":path", b"relative")],
+        [*GOOD_HEAD[:3], (b":path", b"/\xff")],
+    ],
+    ids=["connect", "not-origin-form", "non-ascii-path"],
+)
+def test_parse_request_head_rejects(headers: list[tuple[bytes, bytes]]) -> None:
+    with pytest.raises(MalformedRequest):
+        parse_request_head(headers)
+
+
+def test_parse_request_head_keeps_regular_headers_in_order() -> None:
+    head = parse_request_head([*GOOD_HEAD, (b"a", b"1"), (b"b", b"2"), (b"a", b"3")])
+    assert (head.method, head.path, head.authority) == ("GET", "/", "n")
+    assert head.headers == ((b"a", b"1"), (b"b", b"2"), (b"a", b"3"))
