@@ -8,7 +8,6 @@ functions those tables feed. `pylon` imports this package; never the reverse.
 from backends.base import (
     TRUSTED_ROUTER_HEADER_PREFIXES,
     TRUSTED_ROUTER_HEADERS,
-    TUNNEL_INTERNAL_HEADERS,
     BackendAdapter,
     BodyPath,
     Derived,
@@ -42,7 +41,6 @@ __all__ = [
     "DEFAULT_PRIORITY_CEILING",
     "TRUSTED_ROUTER_HEADERS",
     "TRUSTED_ROUTER_HEADER_PREFIXES",
-    "TUNNEL_INTERNAL_HEADERS",
     "AbsentPriority",
     "BackendAdapter",
     "BackendConfig",

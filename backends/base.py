@@ -66,10 +66,6 @@ TRUSTED_ROUTER_HEADERS: frozenset[str] = frozenset(
 )
 TRUSTED_ROUTER_HEADER_PREFIXES: tuple[str, ...] = ("x-gateway-destination-endpoint",)
 
-# Stargate-to-Pylon only (tunnel contract): parsed by the tunnel, never sent to
-# an engine. Listed here too so the strip holds whatever the pipeline does.
-TUNNEL_INTERNAL_HEADERS: frozenset[str] = frozenset({"x-stargate-expected-queue-ms"})
-
 
 def prefix_pattern(prefix: str) -> str:
     """How a prefix family is written in labels and docs: ``x-override-`` -> ``x-override-*``."""
@@ -88,7 +84,8 @@ class BackendAdapter:
       name: the `backend.type` value.
       routes: (METHOD, path) -> RouteClass; everything else answers 404.
       denied_headers / denied_header_prefixes: engine-specific deny-list
-        (the trusted-router and tunnel-internal lists are always added).
+        (the trusted-router list is always added; the tunnel headers and
+        hop-by-hop fields are the pipeline's, removed before adapters run).
       derived_headers: headers `derive` may write (always stripped inbound).
       denied_body_fields: JSON paths removed from inference bodies.
       derived_body_fields: JSON paths `derive` may write (always removed first).
@@ -106,9 +103,7 @@ class BackendAdapter:
         # The shared priority policy: adapters that invert polarity need its ceiling.
         self.policy = policy if policy is not None else PriorityPolicy()
         # The tables are constant: combine them once, not on every request.
-        self._denied_headers = (
-            self.denied_headers | TRUSTED_ROUTER_HEADERS | TUNNEL_INTERNAL_HEADERS
-        )
+        self._denied_headers = self.denied_headers | TRUSTED_ROUTER_HEADERS
         self._denied_prefixes = self.denied_header_prefixes + TRUSTED_ROUTER_HEADER_PREFIXES
         extra = tuple(p for p in self.derived_body_fields if p not in self.denied_body_fields)
         self._denied_body_fields = self.denied_body_fields + extra
@@ -127,7 +122,7 @@ class BackendAdapter:
         return route_class is RouteClass.INFERENCE and bool(self.all_denied_body_fields())
 
     def all_denied_headers(self) -> frozenset[str]:
-        """The engine's deny-list plus the trusted-router and tunnel-internal names."""
+        """The engine's deny-list plus the trusted-router names."""
         return self._denied_headers
 
     def all_denied_header_prefixes(self) -> tuple[str, ...]:

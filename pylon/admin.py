@@ -104,11 +104,18 @@ class _AdminConnection:
             if request is None:
                 return
             method = request.method.decode("ascii", "replace")
-            response = self._routes.respond(method, request.target.decode("latin-1"))
+            response = self._respond(method, request.target.decode("latin-1"))
             await self._send(response, head_only=method == "HEAD")
             if self._conn.our_state is not h11.DONE or self._conn.their_state is not h11.DONE:
                 return
             self._conn.start_next_cycle()
+
+    def _respond(self, method: str, target: str) -> AdminResponse:
+        try:
+            return self._routes.respond(method, target)
+        except Exception:  # a failing live gauge must not kill the admin server
+            logger.exception("admin %s %s failed", method, target)
+            return AdminResponse(500, TEXT, b"internal error\n")
 
     async def _next_event(self) -> Any:
         while True:
@@ -120,11 +127,14 @@ class _AdminConnection:
             self._conn.receive_data(data)
 
     async def _read_request(self) -> h11.Request | None:
-        """The next request with its body discarded; None when the peer is done."""
+        """The next request with its body discarded; None when the peer is done or idle."""
         try:
-            event = await self._next_event()
+            return await self._read_whole_request()
         except TimeoutError:
             return None
+
+    async def _read_whole_request(self) -> h11.Request | None:
+        event = await self._next_event()
         if not isinstance(event, h11.Request):
             return None
         discarded = 0

@@ -16,7 +16,7 @@ from importlib.metadata import version
 
 import httpx
 from aioquic.quic.configuration import QuicConfiguration
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
 
 from backends.base import BackendAdapter
 from backends.mock import MockEngine, MockEngineOptions
@@ -187,6 +187,9 @@ async def _start_admin_side(
 
 
 def _metrics_for(adapter: BackendAdapter, registry: CollectorRegistry) -> Metrics:
+    # process_* (CPU, memory, fds) and python_info, as on the default registry.
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
     return Metrics(
         registry, backend=adapter.name, version=version("pylon"), deny_list=DenyList.of(adapter)
     )

@@ -50,6 +50,20 @@ class Flag:
 SERVE_FLAGS: tuple[Flag, ...] = (
     Flag("--listen", "listen", "UDP HOST:PORT of the HTTP/3 tunnel", metavar="HOST:PORT"),
     Flag(
+        "--admin-listen",
+        "admin_listen",
+        "TCP HOST:PORT for /metrics, /healthz, /readyz",
+        metavar="HOST:PORT",
+    ),
+    Flag("--drain-grace-s", "drain_grace_s", "SIGTERM grace for in-flight requests", float, "S"),
+    Flag(
+        "--quic-idle-timeout-s",
+        "quic_idle_timeout_s",
+        "close silent tunnel connections",
+        float,
+        "S",
+    ),
+    Flag(
         "--upstream", "upstream.url", "engine base URL, e.g. http://127.0.0.1:8000", metavar="URL"
     ),
     Flag(

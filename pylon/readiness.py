@@ -139,4 +139,7 @@ class EngineProbe:
                 response = await self._client.get(self._url)
         except (httpx.HTTPError, TimeoutError):
             return ProbeResult.UNREACHABLE
+        except Exception:  # a bug must not freeze readiness at its last value
+            logger.exception("engine probe failed")
+            return ProbeResult.UNREACHABLE
         return ProbeResult.HEALTHY if response.is_success else ProbeResult.UNHEALTHY

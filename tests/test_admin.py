@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import socket
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
@@ -19,15 +20,19 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.parser import text_string_to_metric_families
 
 from backends.mock import MockEngine, MockEngineOptions
+from pylon.admin import AdminRoutes, start_admin
 from pylon.app import RunningPylon, start_pylon
 from pylon.config import Settings, UpstreamSettings
 from pylon.logs import JsonFormatter
+from pylon.readiness import Readiness
 from tunnel.client import ClientResponse, client_configuration, open_client
 
 PROBE_INTERVAL_S = 0.05
+DOC = Path(__file__).parent.parent / "docs" / "observability.md"
 CHAT = "/v1/chat/completions"
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 TRACESTATE = "congo=t61rcWkgMzE,rojo=00f067aa0ba902b7"
@@ -95,6 +100,14 @@ async def tunnel_request(
         )
         body = await response.read()
     return response, body
+
+
+def family_of(sample: str) -> str:
+    """The documented name a scraped sample belongs to (a counter's `_created` drops `_total`)."""
+    for suffix in ("_bucket", "_sum", "_count", "_created"):
+        if sample.endswith(suffix):
+            return sample.removesuffix(suffix)
+    return sample
 
 
 def samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
@@ -178,6 +191,45 @@ def test_unreachable_engine_is_not_ready(tmp_path: Path) -> None:
     run(scenario())
 
 
+@pytest.mark.parametrize(
+    ("listener_up", "draining", "engine_ready", "status", "body"),
+    [
+        (True, False, True, 200, "ready\n"),
+        (True, False, False, 503, "not ready: engine_not_ready\n"),
+        (True, True, True, 503, "not ready: draining\n"),
+        (False, True, False, 503, "not ready: listener_down, draining, engine_not_ready\n"),
+    ],
+)
+def test_readyz_combines_the_three_flags(
+    listener_up: bool, draining: bool, engine_ready: bool, status: int, body: str
+) -> None:
+    readiness = Readiness(listener_up=listener_up, draining=draining, engine_ready=engine_ready)
+    response = AdminRoutes(registry=CollectorRegistry(), readiness=readiness).respond(
+        "GET", "/readyz"
+    )
+    assert (response.status, response.body.decode()) == (status, body)
+    assert readiness.ready is (status == 200)
+
+
+def test_a_failing_collector_answers_500_and_the_server_keeps_serving() -> None:
+    def broken() -> float:
+        raise RuntimeError("gauge exploded")
+
+    async def scenario() -> None:
+        registry = CollectorRegistry()
+        Gauge("broken", "A gauge whose read fails.", registry=registry).set_function(broken)
+        server = await start_admin("127.0.0.1", 0, registry=registry, readiness=Readiness())
+        try:
+            base_url = f"http://127.0.0.1:{server.port}"
+            async with httpx.AsyncClient(base_url=base_url, trust_env=False) as admin:
+                assert (await admin.get("/metrics")).status_code == 500
+                assert (await admin.get("/healthz")).status_code == 200
+        finally:
+            await server.close()
+
+    run(scenario())
+
+
 # --- /metrics ------------------------------------------------------------------------
 
 
@@ -205,6 +257,20 @@ def test_metrics_parse_and_count_a_real_http3_request(tmp_path: Path) -> None:
             assert after[("pylon_open_connections", frozenset())] == 0
 
     run(scenario())
+
+
+def test_every_scraped_pylon_metric_is_documented_and_vice_versa(tmp_path: Path) -> None:
+    async def scenario() -> set[str]:
+        async with running(tmp_path) as (_, _, admin):
+            text = (await admin.get("/metrics")).text
+        return {name for name, _ in samples(text) if name.startswith("pylon_")}
+
+    scraped = asyncio.run(scenario())
+    documented = set(re.findall(r"`(pylon_[a-z_]+)`", DOC.read_text()))
+    families = {family_of(sample) for sample in scraped}
+    undocumented = {f for f in families if f not in documented and f + "_total" not in documented}
+    stale = {d for d in documented if d not in scraped and d + "_bucket" not in scraped}
+    assert (undocumented, stale) == (set(), set())
 
 
 def test_unknown_path_and_method_are_refused(tmp_path: Path) -> None:

@@ -58,9 +58,9 @@ CRD_KINDS = {
     ("monitoring.coreos.com/v1", "PodMonitor"),
     ("monitoring.coreos.com/v1", "PrometheusRule"),
 }
-K8S_VERSIONS = ("1.29.0", "1.37.0")
+K8S_VERSIONS = ("1.29.0", "latest")
 """Oldest Kubernetes the manifests target (native fields they use exist since 1.26)
-and the newest schema kubernetes-validate ships."""
+and the newest schema the installed kubernetes-validate ships."""
 DRAIN_MARGIN_S = 10
 """docs/operations.md promises at least this much between the drain and SIGKILL."""
 
@@ -222,6 +222,8 @@ def test_the_layouts_and_engines_are_all_there() -> None:
 def test_manifests_validate_against_kubernetes_schemas(path: Path, version: str) -> None:
     import kubernetes_validate
 
+    if version == "latest":
+        version = kubernetes_validate.latest_version()
     docs = [d for d in rendered(path) if (d["apiVersion"], d["kind"]) not in CRD_KINDS]
     for doc in docs:
         try:
@@ -360,10 +362,12 @@ def test_sidecar_engine_waits_for_pylon_and_matches_its_settings(
     grace = workload(docs)["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
     script = engine["lifecycle"]["preStop"]["exec"]["command"][-1]
     assert f"127.0.0.1:{ADMIN_PORT}/healthz" in script
-    wait = int(re.search(r"monotonic\(\) \+ (\d+)", script)[1])  # type: ignore[index]
-    assert settings.drain_grace_s < wait < grace
-    upstream_port = settings.upstream.url.rpartition(":")[2]  # type: ignore[union-attr]
-    assert settings.upstream.url.startswith("http://127.0.0.1:")  # type: ignore[union-attr]
+    deadline = re.search(r"monotonic\(\) \+ (\d+)", script)
+    assert deadline is not None
+    assert settings.drain_grace_s < int(deadline[1]) < grace
+    url = settings.upstream.url or ""
+    assert url.startswith("http://127.0.0.1:")
+    upstream_port = url.rpartition(":")[2]
     args = engine.get("args", [])
     assert any(arg.endswith(f"port={upstream_port}") for arg in args), args
     for flag, wanted in engine_flags(settings).items():
@@ -460,9 +464,12 @@ def test_checkov_passes_on_sources_and_rendered_manifests(tmp_path: Path) -> Non
         for r in report["results"].get("failed_checks", [])
     ]
     assert not failures, "\n".join(failures)
-    summaries = {report["check_type"]: report["summary"] for report in reports}
-    assert summaries["dockerfile"]["passed"] > 0 and summaries["kubernetes"]["passed"] > 0
-    assert summaries["kubernetes"]["resource_count"] > len(KUSTOMIZATIONS)
+    scanned = {
+        kind: max(r["summary"]["resource_count"] for r in reports if r["check_type"] == kind)
+        for kind in ("dockerfile", "kubernetes")
+    }
+    assert scanned["dockerfile"] >= 1
+    assert scanned["kubernetes"] >= sum(len(rendered(path)) for path in KUSTOMIZATIONS)
 
 
 def test_checkov_catches_an_unsafe_pod(tmp_path: Path) -> None:
@@ -559,6 +566,9 @@ def test_dockerfile_runs_as_non_root() -> None:
     assert user[0] not in {"0", "root"} and int(user[0]) >= 10000
     (useradd,) = [run for run in RUNTIME.all("RUN") if "useradd" in run]
     assert f"--uid {user[0]}" in useradd
+    for path in WORKLOADS:  # the manifests run the image as the same user
+        pod = workload(rendered(path))["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsUser"] == int(user[0]), path
 
 
 def test_dockerfile_ports_entrypoint_and_env_match_settings(clean_env: pytest.MonkeyPatch) -> None:

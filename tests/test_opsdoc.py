@@ -3,6 +3,7 @@ docs/operations.md carries exactly what the code generates today."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,8 +13,8 @@ from pydantic import BaseModel
 
 from backends.config import DynamoConfig, PassthroughConfig, SglangConfig, VllmConfig
 from pylon import opsdoc
-from pylon.cli import SERVE_FLAGS, Flag
-from pylon.config import Settings
+from pylon.cli import SERVE_FLAGS, Flag, build_parser, overrides_from
+from pylon.config import Settings, load_settings
 
 REPO = Path(__file__).resolve().parent.parent
 OPERATIONS_MD = REPO / "docs" / "operations.md"
@@ -109,3 +110,31 @@ def test_module_prints_the_table() -> None:
         timeout=60,
     )
     assert result.stdout == opsdoc.generate()
+
+
+@pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    for name in [n for n in os.environ if n.startswith("PYLON_")]:
+        monkeypatch.delenv(name)
+    return monkeypatch
+
+
+@pytest.mark.parametrize("flag", ["--no-derive-priority", "--derive-priority=false"])
+def test_documented_kill_switch_flags_work(flag: str, clean_env: pytest.MonkeyPatch) -> None:
+    assert f"`{flag}`" in OPERATIONS_MD.read_text()
+    namespace = build_parser().parse_args(["serve", flag])
+    settings = load_settings(overrides=overrides_from(namespace), config_file=None)
+    assert settings.derive_priority is False
+
+
+def test_documented_kill_switch_env_and_config_work(
+    clean_env: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    document = OPERATIONS_MD.read_text()
+    assert "`PYLON_DERIVE_PRIORITY=false`" in document
+    assert "`derive_priority = false`" in document
+    config = tmp_path / "pylon.toml"
+    config.write_text("derive_priority = false\n")
+    assert load_settings(overrides={}, config_file=config).derive_priority is False
+    clean_env.setenv("PYLON_DERIVE_PRIORITY", "false")
+    assert load_settings(overrides={}, config_file=None).derive_priority is False

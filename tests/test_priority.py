@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
@@ -16,6 +16,9 @@ from backends.priority import (
 )
 
 U32_MAX = 2**32 - 1
+
+# No deadline: these are pure functions, and a loaded CI box must not flake.
+pure = settings(deadline=None)
 
 platform_priorities = st.integers(min_value=0, max_value=U32_MAX)
 policies = st.builds(
@@ -66,6 +69,7 @@ def test_unknown_absent_policy_is_rejected() -> None:
         PriorityPolicy.model_validate({"absent": "highest"})
 
 
+@pure
 @given(policy=policies, p=platform_priorities)
 def test_level_is_bounded(policy: PriorityPolicy, p: int) -> None:
     level = normalize_level(p, policy)
@@ -73,6 +77,7 @@ def test_level_is_bounded(policy: PriorityPolicy, p: int) -> None:
     assert 0 <= level <= policy.ceiling
 
 
+@pure
 @given(policy=policies, a=platform_priorities, b=platform_priorities)
 def test_level_is_monotonic(policy: PriorityPolicy, a: int, b: int) -> None:
     low, high = sorted((a, b))
@@ -82,6 +87,7 @@ def test_level_is_monotonic(policy: PriorityPolicy, a: int, b: int) -> None:
     assert level_low <= level_high
 
 
+@pure
 @given(policy=policies, p=platform_priorities)
 def test_level_keeps_order_below_the_ceiling(policy: PriorityPolicy, p: int) -> None:
     """Clamping only merges levels past the ceiling; below it the level is p."""
@@ -89,6 +95,7 @@ def test_level_keeps_order_below_the_ceiling(policy: PriorityPolicy, p: int) -> 
         assert normalize_level(p, policy) == p
 
 
+@pure
 @given(policy=policies, p=platform_priorities)
 def test_absent_is_never_more_urgent_than_any_priority(policy: PriorityPolicy, p: int) -> None:
     absent = normalize_level(None, policy)

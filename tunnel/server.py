@@ -19,7 +19,7 @@ from typing import Any
 
 from aioquic.asyncio.protocol import QuicConnectionProtocol
 from aioquic.asyncio.server import QuicServer, serve
-from aioquic.h3.connection import H3_ALPN, ErrorCode
+from aioquic.h3.connection import H3_ALPN, ErrorCode, stream_is_request_response
 from aioquic.h3.events import DataReceived, H3Event, HeadersReceived
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.events import (
@@ -195,9 +195,15 @@ class TunnelProtocol(QuicConnectionProtocol):
         return sum(unacked_send_bytes(self._quic, stream_id) for stream_id in self.streams)
 
     def tracked_state_count(self) -> int:
-        """Per-stream objects held at every layer; returns to ~0 when the connection is idle."""
+        """Request-stream objects held at every layer; 0 once the connection is idle.
+
+        Control and QPACK streams live as long as the connection and are not counted.
+        """
         h3_count = self._h3.tracked_stream_count if self._h3 is not None else 0
-        return len(self.streams) + len(self._tasks) + h3_count + len(self._quic._streams)
+        quic_count = sum(
+            1 for stream_id in self._quic._streams if stream_is_request_response(stream_id)
+        )
+        return len(self.streams) + len(self._tasks) + h3_count + quic_count
 
 
 class ConnectionRegistry:

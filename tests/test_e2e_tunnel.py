@@ -1,0 +1,77 @@
+"""The tunnel over real QUIC: malformed streams, state released on a long-lived connection."""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import pytest
+from aioquic.h3.connection import ErrorCode
+
+from tests.harness import CHAT, run, stack, tunnel_headers
+from tunnel.types import StreamAborted
+
+pytestmark = pytest.mark.e2e
+
+HEAD = (
+    (b":method", b"POST"),
+    (b":scheme", b"https"),
+    (b":authority", b"p"),
+    (b":path", CHAT.encode()),
+)
+BODY = b'{"model":"mock-model","messages":[]}'
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        (*HEAD, (b"X-Request-Id", b"upper")),
+        HEAD[1:],
+        (*HEAD, (b"transfer-encoding", b"chunked")),
+    ],
+    ids=["uppercase-name", "missing-method", "connection-specific"],
+)
+def test_malformed_stream_is_reset_and_connection_keeps_serving(
+    tmp_path: Path, headers: tuple[tuple[bytes, bytes], ...]
+) -> None:
+    async def scenario() -> None:
+        async with stack(tmp_path) as s, s.client() as client:
+            stream_id = client.open_request(headers, end=True)
+            with pytest.raises(StreamAborted) as aborted:
+                await client.response(stream_id)
+            assert aborted.value.error_code == ErrorCode.H3_MESSAGE_ERROR
+            ok = await client.request("POST", CHAT, headers=tunnel_headers("after"), body=BODY)
+            assert ok.status == 200
+            await ok.read()
+
+    run(scenario())
+
+
+def test_stream_state_is_freed_on_a_long_lived_connection(tmp_path: Path) -> None:
+    """Many requests on one connection (ok, rejected, reset) leave no per-stream state behind."""
+
+    async def scenario() -> None:
+        async with stack(tmp_path) as s, s.client() as client:
+            for index in range(300):
+                kind = index % 3
+                if kind == 0:
+                    response = await client.request(
+                        "POST", CHAT, headers=tunnel_headers(f"ok-{index}"), body=BODY
+                    )
+                    await response.read()
+                elif kind == 1:
+                    response = await client.request("POST", CHAT, headers=[], body=BODY)
+                    assert response.status == 400
+                    await response.read()
+                else:
+                    response = await client.request(
+                        "POST", "/admin/flush", headers=tunnel_headers(f"nf-{index}"), body=BODY
+                    )
+                    assert response.status == 404
+                    await response.read()
+            await client.ping()
+            (protocol,) = s.pylon.tunnel.registry.connections
+            gc.collect()
+            assert protocol.tracked_state_count() == 0, "per-stream state left behind"
+
+    run(scenario(), timeout_s=120)
