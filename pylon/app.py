@@ -9,6 +9,7 @@ what was started, and `RunningPylon.close()` unwinds the same stack.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass, field
@@ -37,6 +38,10 @@ MOCK_FLAVOUR_FOR_BACKEND = {"passthrough": "openai"}
 """The built-in mock engine that emulates each backend (same name unless listed)."""
 
 
+DRAIN_POLL_S = 0.05
+"""How often a drain checks for in-flight streams: small against any grace period."""
+
+
 class StartupError(Exception):
     """Settings that cannot run (missing certificate or upstream outside --dev)."""
 
@@ -54,6 +59,7 @@ class RunningPylon:
     """Flags behind /readyz; call `readiness.mark_draining()` on SIGTERM."""
     probe: EngineProbe
     admin: AdminServer
+    service: TunnelService
     _cleanup: contextlib.AsyncExitStack = field(repr=False)
 
     @property
@@ -67,6 +73,21 @@ class RunningPylon:
     async def close(self) -> None:
         """Stop admin server, probe, listener, upstream client and mock, in that order."""
         await self._cleanup.aclose()
+
+    def start_drain(self) -> None:
+        """Not ready at once, GOAWAY to the gateway, 503 (retry-safe) for new requests."""
+        self.readiness.mark_draining()
+        self.service.draining = True
+        self.tunnel.registry.start_drain()
+
+    async def drain(self, *, grace_s: float) -> bool:
+        """Start draining and wait for in-flight requests; True if all finished in time."""
+        self.start_drain()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        while self.tunnel.registry.active_streams() and loop.time() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+        return self.tunnel.registry.active_streams() == 0
 
 
 def quic_configuration(settings: Settings) -> QuicConfiguration:
@@ -130,6 +151,7 @@ async def start_pylon(
             readiness=readiness,
             probe=probe,
             admin=admin,
+            service=service,
             _cleanup=stack.pop_all(),
         )
     raise AssertionError("unreachable")  # mypy: AsyncExitStack may swallow exceptions

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import logging
 import signal
 import sys
 from collections.abc import Callable, Sequence
@@ -24,6 +25,8 @@ from backends.registry import BACKEND_TYPES
 from pylon.app import StartupError, start_pylon
 from pylon.config import Settings, load_settings, split_host_port
 from pylon.logs import configure_logging
+
+logger = logging.getLogger("pylon")
 
 
 def parse_bool(text: str) -> bool:
@@ -208,24 +211,37 @@ def run_serve(namespace: argparse.Namespace) -> int:
         return _fail(str(error))
     configure_logging(level=settings.log_level, human=settings.dev)
     try:
-        asyncio.run(_serve_until_signalled(settings))
+        return asyncio.run(_serve_until_signalled(settings))
     except StartupError as error:
         return _fail(str(error))
     except OSError as error:
-        return _fail(f"cannot listen on {settings.listen}: {error}")
-    return 0
+        return _fail(f"cannot listen: {error}")
 
 
-async def _serve_until_signalled(settings: Settings) -> None:
+async def _serve_until_signalled(settings: Settings) -> int:
+    """Serve until SIGTERM/SIGINT, then drain; a second signal stops at once."""
     pylon = await start_pylon(settings)
-    stop = asyncio.Event()
+    signals = asyncio.Queue[int]()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop.set)
+        loop.add_signal_handler(signum, signals.put_nowait, signum)
     host, _ = split_host_port(settings.listen)
     _print_ready(settings, host=host, port=pylon.port, upstream=pylon.upstream_url)
+    print(f"pylon: admin on {split_host_port(settings.admin_listen)[0]}:{pylon.admin_port}")
     try:
-        await stop.wait()
+        await signals.get()
+        logger.info("draining", extra={"grace_s": settings.drain_grace_s})
+        drain = asyncio.ensure_future(pylon.drain(grace_s=settings.drain_grace_s))
+        second = asyncio.ensure_future(signals.get())
+        done, _ = await asyncio.wait({drain, second}, return_when=asyncio.FIRST_COMPLETED)
+        for task in (drain, second):
+            task.cancel()
+        if second in done:
+            logger.warning("second signal: stopping without waiting for in-flight requests")
+            return 1
+        if not drain.result():
+            logger.warning("drain grace period over: closing remaining streams")
+        return 0
     finally:
         await pylon.close()
 

@@ -5,7 +5,8 @@
     │   ├── BadTunnelHeader         400 missing/invalid x-request-id, malformed x-priority
     │   ├── BodyInvalid             400 body must be sanitized but is not a JSON object
     │   ├── RouteNotAllowed         404 route not on the backend's allow-list
-    │   └── BodyTooLarge            413 body over limits.max_body_bytes
+    │   ├── BodyTooLarge            413 body over limits.max_body_bytes
+    │   └── Draining                503 Pylon is shutting down (retry elsewhere)
     └── UpstreamError               the engine side failed
         ├── UpstreamUnreachable     502 connect refused/unreachable (nothing sent: retry-safe)
         ├── UpstreamNotReady        503 no pooled connection free in time (retry-safe)
@@ -70,6 +71,12 @@ class RouteNotAllowed(RequestRejected):
 class BodyTooLarge(RequestRejected):
     status = 413
     code = "body_too_large"
+
+
+class Draining(RequestRejected):
+    status = 503
+    error_type = "service_unavailable"
+    code = "draining"
 
 
 class UpstreamError(PylonError):

@@ -121,7 +121,8 @@ class EngineProbe:
         result = await self._check()
         ready = result is ProbeResult.HEALTHY
         if ready != self.readiness.engine_ready:
-            logger.info("engine %s", "ready" if ready else f"not ready ({result.value})")
+            level = logging.INFO if ready else logging.WARNING
+            logger.log(level, "engine %s", "ready" if ready else f"not ready ({result.value})")
         self.readiness.engine_ready = ready
         self._metrics.engine_probed(result, ready=ready)
         return result

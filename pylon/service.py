@@ -16,7 +16,14 @@ from dataclasses import dataclass
 from aioquic.h3.connection import ErrorCode
 
 from backends.base import BackendAdapter
-from pylon.errors import BodyTooLarge, PylonError, RequestRejected, UpstreamError, UpstreamTimeout
+from pylon.errors import (
+    BodyTooLarge,
+    Draining,
+    PylonError,
+    RequestRejected,
+    UpstreamError,
+    UpstreamTimeout,
+)
 from pylon.forwarder import Forwarder
 from pylon.metrics import Metrics
 from pylon.pipeline import (
@@ -69,11 +76,15 @@ class TunnelService:
         self._forwarder = forwarder
         self._options = options
         self._metrics = metrics
+        self.draining = False
+        """Set when shutdown starts: new requests get 503 with the retry-safe marker."""
 
     async def __call__(self, stream: TunnelStream) -> None:
         loop = asyncio.get_running_loop()
         exchange = Exchange(started=loop.time())
         try:
+            if self.draining:
+                raise Draining("Pylon is draining; retry on another node")
             async with asyncio.timeout(self._options.total_timeout_s):
                 await self._serve(stream, exchange)
         except TimeoutError:

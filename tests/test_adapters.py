@@ -256,7 +256,6 @@ def denied_names(adapter: BackendAdapter) -> st.SearchStrategy[bytes]:
 token_names = st.text(alphabet=string.ascii_letters + string.digits + "-_", min_size=1).map(
     str.encode
 )
-header_lists = st.lists(st.tuples(st.binary(min_size=1), st.binary()), max_size=6)
 
 
 def mixed_headers(adapter: BackendAdapter) -> st.SearchStrategy[Headers]:

@@ -19,7 +19,14 @@ from typing import Any
 
 from aioquic.asyncio.protocol import QuicConnectionProtocol
 from aioquic.asyncio.server import QuicServer, serve
-from aioquic.h3.connection import H3_ALPN, ErrorCode, stream_is_request_response
+from aioquic.buffer import encode_uint_var
+from aioquic.h3.connection import (
+    H3_ALPN,
+    ErrorCode,
+    FrameType,
+    encode_frame,
+    stream_is_request_response,
+)
 from aioquic.h3.events import DataReceived, H3Event, HeadersReceived
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.events import (
@@ -64,6 +71,8 @@ class TunnelProtocol(QuicConnectionProtocol):
         self._credit = ConsumptionCredit(self._quic, window_bytes=options.request_window_bytes)
         self.streams: dict[int, TunnelStream] = {}
         self._tasks: dict[int, asyncio.Task[None]] = {}
+        self._highest_request_stream_id: int | None = None
+        self._goaway_sent = False
         registry.opened(self)
 
     # --- network side ---------------------------------------------------------------
@@ -78,6 +87,8 @@ class TunnelProtocol(QuicConnectionProtocol):
     def quic_event_received(self, event: QuicEvent) -> None:
         if isinstance(event, ProtocolNegotiated) and event.alpn_protocol in H3_ALPN:
             self._h3 = TunnelH3Connection(self._quic)
+            if self._registry.draining:
+                self.send_goaway()
         elif isinstance(event, StreamReset | StopSendingReceived):
             self._abort_stream(event.stream_id, event.error_code)
         elif isinstance(event, ConnectionTerminated):
@@ -106,6 +117,7 @@ class TunnelProtocol(QuicConnectionProtocol):
     def _start_stream(
         self, stream_id: int, headers: Iterable[tuple[bytes, bytes]], *, ended: bool
     ) -> None:
+        self._highest_request_stream_id = max(stream_id, self._highest_request_stream_id or 0)
         try:
             head = parse_request_head(headers)
         except MalformedRequest as exc:
@@ -165,6 +177,23 @@ class TunnelProtocol(QuicConnectionProtocol):
         stream.abort(error_code)
         task.cancel()
 
+    def send_goaway(self) -> None:
+        """RFC 9114 §5.2: tell the gateway to open no new request streams here.
+
+        aioquic has no API for a server GOAWAY, so the frame is written on the
+        local control stream directly. The id is the first stream not served.
+        """
+        if self._h3 is None or self._goaway_sent or self._quic._close_pending:
+            return
+        highest = self._highest_request_stream_id
+        first_unserved = 0 if highest is None else highest + 4
+        control_stream_id = self._h3._local_control_stream_id
+        assert control_stream_id is not None
+        frame = encode_frame(FrameType.GOAWAY, encode_uint_var(first_unserved))
+        self._quic.send_stream_data(control_stream_id, frame)
+        self._goaway_sent = True
+        self._transmit_soon()
+
     # --- StreamOwner, used by TunnelStream --------------------------------------------
 
     def stream_send_headers(self, stream_id: int, headers: HeaderList, *, end: bool) -> None:
@@ -211,6 +240,13 @@ class ConnectionRegistry:
 
     def __init__(self) -> None:
         self.connections: set[TunnelProtocol] = set()
+        self.draining = False
+
+    def start_drain(self) -> None:
+        """GOAWAY on every connection, and on any that opens from now on."""
+        self.draining = True
+        for protocol in self.connections:
+            protocol.send_goaway()
 
     def opened(self, protocol: TunnelProtocol) -> None:
         self.connections.add(protocol)
@@ -240,7 +276,7 @@ class TunnelServer:
 
     def close(self) -> None:
         for protocol in list(self.registry.connections):
-            protocol.close()
+            protocol.close(error_code=ErrorCode.H3_NO_ERROR)
         self._server.close()
 
 
