@@ -106,14 +106,14 @@ def _derive(
         return Derivation.NOT_APPLICABLE, Derived()
     if not options.derive_priority:
         return Derivation.DISABLED, Derived()
-    level = normalize_level(tunnel.priority, options.policy)
-    if level is None:
-        return Derivation.ABSENT_OMITTED, Derived()
-    derived = adapter.derive(level)
-    if derived.emitted_priority is None:  # the engine takes no priority in this setup
-        return Derivation.NOT_APPLICABLE, derived
+    # Adapters see absent-with-omit (level None) too: vLLM reads a missing
+    # priority as its MOST urgent class, so its adapter still writes one.
+    derived = adapter.derive(normalize_level(tunnel.priority, options.policy))
+    emitted = derived.emitted_priority is not None
     if tunnel.priority is None:
-        return Derivation.ABSENT_NORMALIZED, derived
+        return (Derivation.ABSENT_NORMALIZED if emitted else Derivation.ABSENT_OMITTED), derived
+    if not emitted:  # the engine takes no priority in this setup
+        return Derivation.NOT_APPLICABLE, derived
     return Derivation.EMITTED, derived
 
 

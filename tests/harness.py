@@ -56,8 +56,8 @@ class Stack:
                 client.limit_receive_window(receive_window_bytes)
             yield client
 
-    def metric(self, name: str, **labels: str) -> float:
-        value = self.registry.get_sample_value(name, labels)
+    def metric(self, metric_name: str, **labels: str) -> float:
+        value = self.registry.get_sample_value(metric_name, labels)
         return 0.0 if value is None else value
 
 
