@@ -2,8 +2,11 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+# checkov pins ~80 packages of its own, so it lives in a separate venv.
+CHECKOV_VENV := .tools/checkov
+TEST_PATH := $(CURDIR)/$(BIN):$(PATH):$(CURDIR)/$(CHECKOV_VENV)/bin
 
-.PHONY: install run test lint typecheck pytest lock
+.PHONY: install tools run test lint typecheck pytest lock
 
 $(BIN)/.installed: pyproject.toml requirements.lock
 	$(PYTHON) -m venv $(VENV)
@@ -11,7 +14,15 @@ $(BIN)/.installed: pyproject.toml requirements.lock
 	$(BIN)/pip install --quiet -c requirements.lock -e ".[dev]"
 	touch $@
 
+$(CHECKOV_VENV)/.installed: requirements-checkov.lock
+	$(PYTHON) -m venv $(CHECKOV_VENV)
+	$(CHECKOV_VENV)/bin/pip install --quiet --upgrade pip
+	$(CHECKOV_VENV)/bin/pip install --quiet -r requirements-checkov.lock
+	touch $@
+
 install: $(BIN)/.installed
+
+tools: $(CHECKOV_VENV)/.installed
 
 run: install
 	$(BIN)/pylon serve --dev
@@ -23,11 +34,12 @@ lint: install
 typecheck: install
 	$(BIN)/mypy
 
-pytest: install
-	$(BIN)/pytest
+pytest: install tools
+	PATH="$(TEST_PATH)" $(BIN)/pytest
 
 test: lint typecheck pytest
 
-# Re-pin the tested dependency set after changing pyproject.toml.
-lock: install
+# Re-pin the tested dependency sets after changing pyproject.toml.
+lock: install tools
 	$(BIN)/pip freeze --exclude-editable | grep -v '^-e' > requirements.lock
+	$(CHECKOV_VENV)/bin/pip freeze > requirements-checkov.lock

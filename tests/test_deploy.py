@@ -73,7 +73,7 @@ def require_tool(name: str) -> str:
     found = shutil.which(name) or _beside_python(name)
     if found is not None:
         return found
-    message = f"{name} is not installed (see requirements-deploy-test.txt)"
+    message = f"{name} is not installed (`make tools` installs checkov; .ci/run installs promtool)"
     if os.environ.get("CI") == "true":
         pytest.fail(message)
     pytest.skip(message)

@@ -136,16 +136,18 @@ def test_gateway_reset_aborts_the_engine_request(tmp_path: Path) -> None:
 
 def test_engine_down_answers_502_and_keeps_serving(tmp_path: Path) -> None:
     async def scenario() -> None:
-        async with stack(tmp_path, engine=None, upstream_url="http://127.0.0.1:9") as s:
-            async with s.client() as client:
-                for attempt in range(2):
-                    response = await client.request(
-                        "POST", CHAT, headers=tunnel_headers(f"down-{attempt}"), body=CHAT_BODY
-                    )
-                    body = orjson.loads(await response.read())
-                    assert response.status == 502
-                    assert body["error"]["code"] == "upstream_unreachable"
-                    assert response.header("x-pylon-retry-safe") == "true"
+        async with (
+            stack(tmp_path, engine=None, upstream_url="http://127.0.0.1:9") as s,
+            s.client() as client,
+        ):
+            for attempt in range(2):
+                response = await client.request(
+                    "POST", CHAT, headers=tunnel_headers(f"down-{attempt}"), body=CHAT_BODY
+                )
+                body = orjson.loads(await response.read())
+                assert response.status == 502
+                assert body["error"]["code"] == "upstream_unreachable"
+                assert response.header("x-pylon-retry-safe") == "true"
 
     run(scenario())
 

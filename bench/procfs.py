@@ -1,0 +1,53 @@
+"""CPU time and peak memory of a process, read from /proc (Linux; no psutil).
+
+Strategy: the parsers are pure functions over the files' text (table-tested);
+the readers are one-liners around them. utime + stime count every thread of
+the process (Caddy's goroutines included), in clock ticks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+CLOCK_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
+RESET_PEAK_RSS = b"5"
+"""Writing 5 to /proc/<pid>/clear_refs resets VmHWM to the current RSS (Linux >= 4.0)."""
+
+
+def parse_stat_ticks(stat: str) -> int:
+    """utime + stime (fields 14 and 15) of a /proc/<pid>/stat line.
+
+    The command name (field 2) is in parentheses and may contain spaces, so
+    fields are counted from the last ")".
+    """
+    after_name = stat[stat.rindex(")") + 2 :].split()
+    utime, stime = after_name[11], after_name[12]
+    return int(utime) + int(stime)
+
+
+def parse_status_kib(status: str, field: str) -> int | None:
+    """A "Name:  123 kB" field of /proc/<pid>/status, in KiB; None when absent."""
+    for line in status.splitlines():
+        name, sep, value = line.partition(":")
+        if sep and name == field:
+            return int(value.split()[0])
+    return None
+
+
+def cpu_seconds(pid: int) -> float:
+    return parse_stat_ticks(Path(f"/proc/{pid}/stat").read_text()) / CLOCK_TICKS_PER_S
+
+
+def peak_rss_bytes(pid: int) -> int | None:
+    kib = parse_status_kib(Path(f"/proc/{pid}/status").read_text(), "VmHWM")
+    return None if kib is None else kib * 1024
+
+
+def reset_peak_rss(pid: int) -> bool:
+    """Start a new VmHWM window; False when the kernel refuses (the peak stays cumulative)."""
+    with contextlib.suppress(OSError):
+        Path(f"/proc/{pid}/clear_refs").write_bytes(RESET_PEAK_RSS)
+        return True
+    return False
