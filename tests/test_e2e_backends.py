@@ -247,3 +247,23 @@ def test_urgent_requests_overtake_in_a_saturated_engine(tmp_path: Path, backend:
             assert order == ["p0", "p100", "p500", "unconfigured"]
 
     run(scenario())
+
+
+def test_emitted_priority_is_logged_at_debug_with_the_request_id(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def scenario() -> None:
+        engine = MockEngineOptions(engine="dynamo")
+        async with stack(tmp_path, engine=engine, backend=BACKENDS["dynamo"]) as s, s.client() as c:
+            response = await c.request(
+                "POST",
+                CHAT,
+                headers=tunnel_headers("log-7", x_priority="3"),
+                body=orjson.dumps({"model": "mock-model", "messages": []}),
+            )
+            await response.read()
+
+    with caplog.at_level("DEBUG", logger="pylon.priority"):
+        run(scenario())
+    lines = [r.getMessage() for r in caplog.records if r.name == "pylon.priority"]
+    assert any("997" in line and "log-7" in line for line in lines), lines
