@@ -20,7 +20,7 @@ import multiprocessing
 import queue as queue_module
 import resource
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing.sharedctypes import SynchronizedArray
 from typing import Any
@@ -97,8 +97,14 @@ class _WorkerResult:
     cpu_s: float
 
 
-def run_load(spec: LoadSpec, *, label: str = "load") -> LoadResult:
-    """Run one load in worker processes; blocks until every worker has reported."""
+def run_load(
+    spec: LoadSpec, *, label: str = "load", on_start: Callable[[], None] | None = None
+) -> LoadResult:
+    """Run one load in worker processes; blocks until every worker has reported.
+
+    `on_start` runs once every worker is connected, just before the common
+    start: where a caller snapshots the CPU time of the processes under test.
+    """
     ctx = multiprocessing.get_context("spawn")
     workers = spec.effective_workers
     ready, go = ctx.Barrier(workers + 1), ctx.Event()
@@ -113,6 +119,8 @@ def run_load(spec: LoadSpec, *, label: str = "load") -> LoadResult:
         process.start()
     try:
         ready.wait(SETUP_TIMEOUT_S)
+        if on_start is not None:
+            on_start()
         start_at.value = time.monotonic() + START_DELAY_S
         go.set()
         return _collect(spec, results, done, start=start_at.value, label=label, workers=workers)

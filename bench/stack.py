@@ -198,7 +198,12 @@ def caddy(log_dir: Path, *, upstream_port: int, cert: Path, key: Path) -> Iterat
     state = log_dir / "caddy-state"
     env: dict[str, Any] = {**os.environ, "XDG_DATA_HOME": str(state), "XDG_CONFIG_HOME": str(state)}
     argv = [binary, "run", "--config", str(config), "--adapter", "caddyfile"]
-    with _running("caddy", argv, port=port, log_dir=log_dir, ready=_tcp_open(port), env=env) as s:
+    log_path, tcp_open = log_dir / "caddy.log", _tcp_open(port)
+
+    def ready() -> bool:  # the H3 listener is up once Caddy logs "server running"
+        return tcp_open() and b"server running" in log_path.read_bytes()
+
+    with _running("caddy", argv, port=port, log_dir=log_dir, ready=ready, env=env) as s:
         yield s
 
 

@@ -10,7 +10,7 @@ instead of one class arriving in a burst.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import orjson
 
@@ -86,6 +86,13 @@ def priority(classes: Sequence[PriorityClass], *, tokens: int) -> tuple[RequestS
             RequestSpec(label, "POST", CHAT, headers, body, tokens + STREAM_TRAILER_EVENTS)
         )
     return tuple(specs)
+
+
+def with_headers(
+    pattern: Sequence[RequestSpec], headers: Sequence[tuple[str, str]]
+) -> tuple[RequestSpec, ...]:
+    """The same requests with extra headers (e.g. `x-priority`) on every one."""
+    return tuple(replace(spec, headers=(*spec.headers, *headers)) for spec in pattern)
 
 
 def interleave(weights: Sequence[tuple[str, float]], length: int) -> list[str]:

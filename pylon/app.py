@@ -41,6 +41,9 @@ MOCK_FLAVOUR_FOR_BACKEND = {"passthrough": "openai"}
 DRAIN_POLL_S = 0.05
 """How often a drain checks for in-flight streams: small against any grace period."""
 
+CUT_SETTLE_S = 1.0
+"""After the grace period, how long cut streams get to send their resets and be counted."""
+
 
 class StartupError(Exception):
     """Settings that cannot run (missing certificate or upstream outside --dev)."""
@@ -71,7 +74,11 @@ class RunningPylon:
         return self.admin.port
 
     async def close(self) -> None:
-        """Stop admin server, probe, listener, upstream client and mock, in that order."""
+        """Stop admin server, probe, listener, upstream client and mock, in that order.
+
+        Requests still running are cut first and counted as cancelled "by drain".
+        """
+        self.service.cut_in_flight(by="drain")
         await self._cleanup.aclose()
 
     def start_drain(self) -> None:
@@ -83,8 +90,15 @@ class RunningPylon:
     async def drain(self, *, grace_s: float) -> bool:
         """Start draining and wait for in-flight requests; True if all finished in time."""
         self.start_drain()
+        if await self._streams_done_within(grace_s):
+            return True
+        self.service.cut_in_flight(by="drain")
+        await self._streams_done_within(CUT_SETTLE_S)
+        return False
+
+    async def _streams_done_within(self, bound_s: float) -> bool:
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + grace_s
+        deadline = loop.time() + bound_s
         while self.tunnel.registry.active_streams() and loop.time() < deadline:
             await asyncio.sleep(DRAIN_POLL_S)
         return self.tunnel.registry.active_streams() == 0
@@ -188,6 +202,7 @@ async def _start_listener(
         options=TunnelOptions(
             max_queued_bytes_per_stream=settings.limits.max_queued_response_bytes,
             request_window_bytes=settings.limits.request_window_bytes,
+            ping_interval_s=settings.quic_ping_interval_s or None,
         ),
     )
 

@@ -67,6 +67,13 @@ SERVE_FLAGS: tuple[Flag, ...] = (
         "S",
     ),
     Flag(
+        "--quic-ping-interval-s",
+        "quic_ping_interval_s",
+        "PING silent tunnel connections (0 disables)",
+        float,
+        "S",
+    ),
+    Flag(
         "--upstream", "upstream.url", "engine base URL, e.g. http://127.0.0.1:8000", metavar="URL"
     ),
     Flag(

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -86,6 +86,9 @@ class Settings(BaseSettings):
     Keep Kubernetes terminationGracePeriodSeconds above this."""
     quic_idle_timeout_s: float = Field(default=60.0, gt=0)
     """A tunnel connection with no packets for this long is closed (the gateway pings)."""
+    quic_ping_interval_s: float = Field(default=15.0, ge=0)
+    """Pylon PINGs a tunnel connection silent this long, keeping NAT and firewall
+    state alive and finding dead peers; 0 disables. Must be below quic_idle_timeout_s."""
     dev: bool = False
     """Development mode: generated certificate, built-in mock engine, human logs."""
     state_dir: Path = Path(".pylon")
@@ -113,6 +116,13 @@ class Settings(BaseSettings):
         if value.lower() not in {"debug", "info", "warning", "error"}:
             raise ValueError("must be one of debug, info, warning, error")
         return value.lower()
+
+    @model_validator(mode="after")
+    def _ping_below_idle_timeout(self) -> Settings:
+        # A PING only keeps a connection alive if it comes before the idle timeout.
+        if self.quic_ping_interval_s >= self.quic_idle_timeout_s:
+            raise ValueError("quic_ping_interval_s must be below quic_idle_timeout_s (0 disables)")
+        return self
 
 
 def split_host_port(value: str) -> tuple[str, int]:

@@ -5,20 +5,29 @@ response head, but time to first token can be minutes: so httpx gets no read
 timeout, and Pylon enforces its own budgets here: an optional response-head
 timeout, an idle timeout between body chunks, and (in the service) an optional
 total deadline. Every httpx exception leaves through `map_upstream_errors`.
+
+A request is sent a second time only when the first attempt died on a reused
+pooled connection before its request head was written (the engine restarted
+between two requests): then the engine cannot have seen it. Anything later is
+never retried, because the engine may already be generating.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterable, AsyncIterator
+import logging
+from collections.abc import AsyncIterable, AsyncIterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 
 from pylon.config import UpstreamSettings
-from pylon.errors import UpstreamTimeout, map_upstream_errors
+from pylon.errors import UpstreamError, UpstreamTimeout, UpstreamUnreachable, map_upstream_errors
 from pylon.tunnel_headers import REQUEST_ID, strip_hop_by_hop
+
+logger = logging.getLogger("pylon.forwarder")
 
 KEEPALIVE_EXPIRY_S = 30.0
 """Below common engine servers' idle keep-alive (uvicorn 5 s is the exception:
@@ -78,6 +87,22 @@ def response_headers(
     return tuple(kept)
 
 
+@dataclass
+class AttemptTrace:
+    """What httpcore reported about one attempt, through its `trace` request extension."""
+
+    new_connection: bool = False
+    """A TCP connection was opened for this attempt (else a pooled one was reused)."""
+    head_unsent: bool = False
+    """Writing the request head failed, so the engine cannot have parsed the request."""
+
+    async def __call__(self, event: str, info: Mapping[str, Any]) -> None:
+        if event == "connection.connect_tcp.started":
+            self.new_connection = True
+        elif event == "http11.send_request_headers.failed":
+            self.head_unsent = True
+
+
 class Forwarder:
     def __init__(self, client: httpx.AsyncClient, settings: UpstreamSettings) -> None:
         if settings.url is None:
@@ -96,13 +121,11 @@ class Forwarder:
         content: bytes | AsyncIterable[bytes],
         request_id: str | None,
     ) -> AsyncIterator[UpstreamResponse]:
-        request = self._client.build_request(
-            method, self._base_url + path, headers=list(headers), content=content
-        )
+        url = self._base_url + path
         async with map_upstream_errors():
             try:
                 async with asyncio.timeout(self._settings.response_header_timeout_s):
-                    response = await self._client.send(request, stream=True)
+                    response = await self._send(method, url, headers=headers, content=content)
             except TimeoutError as exc:
                 raise UpstreamTimeout("engine: no response head in time") from exc
         try:
@@ -116,3 +139,35 @@ class Forwarder:
             # Closing an unfinished response closes its connection: the engine
             # sees the disconnect and stops generating.
             await response.aclose()
+
+    async def _send(
+        self,
+        method: str,
+        url: str,
+        *,
+        headers: tuple[tuple[bytes, bytes], ...],
+        content: bytes | AsyncIterable[bytes],
+    ) -> httpx.Response:
+        """Send; once more if a reused connection was dead before the head went out.
+
+        The body is sent after the head, so a streamed body is still unread then.
+        """
+        for attempt in range(2):
+            trace = AttemptTrace()
+            request = self._client.build_request(
+                method, url, headers=list(headers), content=content, extensions={"trace": trace}
+            )
+            try:
+                async with map_upstream_errors():
+                    return await self._client.send(request, stream=True)
+            except UpstreamError as error:
+                if not trace.head_unsent:
+                    raise
+                if attempt or trace.new_connection:
+                    raise UpstreamUnreachable(
+                        "engine: closed before the request was sent"
+                    ) from error
+                logger.warning(
+                    "engine closed a pooled connection before the request; retrying once"
+                )
+        raise AssertionError("unreachable")

@@ -44,7 +44,7 @@ REJECT_REASONS = (
     "draining",
 )
 UPSTREAM_ERROR_KINDS = ("connect", "not_ready", "timeout", "reset", "protocol")
-CANCELLERS = ("gateway", "engine", "timeout")
+CANCELLERS = ("gateway", "engine", "timeout", "drain", "limit")
 STRIP_KINDS = ("header", "body")
 PROBE_RESULTS = tuple(result.value for result in ProbeResult)
 

@@ -4,6 +4,8 @@ This is the I/O shell around the pure pipeline. Errors before the response
 head are answered as OpenAI-shaped JSON; errors after it reset the stream, so
 a truncated answer never looks complete. A gateway reset cancels this task,
 which closes the upstream response and so stops the engine's generation.
+Every abnormal end is classified by who caused it (`CANCELLED_BY`), for the
+access log and `pylon_cancellations_total{by}`.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 from aioquic.h3.connection import ErrorCode
 
@@ -40,6 +43,23 @@ from tunnel.types import StreamAborted
 logger = logging.getLogger("pylon.access")
 debug_logger = logging.getLogger("pylon.priority")
 
+CANCELLED_BY: tuple[tuple[type[PylonError], str], ...] = (
+    # Subclasses before their bases. A gateway reset or a dropped connection is
+    # "gateway"; a drain whose grace ran out cuts streams as "drain".
+    (UpstreamTimeout, "timeout"),
+    (Draining, "drain"),
+    (RequestRejected, "limit"),
+    (UpstreamError, "engine"),
+)
+"""Who ended a stream whose response had already started, by the error that ended it."""
+
+
+def cancelled_by(error: PylonError) -> str:
+    for error_type, label in CANCELLED_BY:
+        if isinstance(error, error_type):
+            return label
+    return "engine"
+
 
 @dataclass
 class Exchange:
@@ -53,6 +73,8 @@ class Exchange:
     ttfb_s: float | None = None
     error: str | None = None
     cancelled_by: str | None = None
+    cut_by: str | None = None
+    """Set when Pylon itself cancels the request (`TunnelService.cut_in_flight`)."""
     request_bytes: int = 0
 
 
@@ -78,10 +100,25 @@ class TunnelService:
         self._metrics = metrics
         self.draining = False
         """Set when shutdown starts: new requests get 503 with the retry-safe marker."""
+        self._in_flight: dict[asyncio.Task[Any], Exchange] = {}
+
+    def cut_in_flight(self, *, by: str) -> int:
+        """Cancel every request still running, recording `by` as who ended it.
+
+        A drain whose grace period is over calls this before the connections
+        close, so the cut streams are counted as "drain", not as gateway resets.
+        """
+        for task, exchange in self._in_flight.items():
+            exchange.cut_by = by
+            task.cancel()
+        return len(self._in_flight)
 
     async def __call__(self, stream: TunnelStream) -> None:
         loop = asyncio.get_running_loop()
         exchange = Exchange(started=loop.time())
+        task = asyncio.current_task()
+        assert task is not None
+        self._in_flight[task] = exchange
         try:
             if self.draining:
                 raise Draining("Pylon is draining; retry on another node")
@@ -92,9 +129,10 @@ class TunnelService:
         except PylonError as error:
             self._fail(stream, exchange, error)
         except (asyncio.CancelledError, StreamAborted):
-            exchange.cancelled_by = "gateway"
+            exchange.cancelled_by = exchange.cut_by or "gateway"
             raise
         finally:
+            self._in_flight.pop(task, None)
             self._account(stream, exchange, duration_s=loop.time() - exchange.started)
 
     async def _serve(self, stream: TunnelStream, exchange: Exchange) -> None:
@@ -167,7 +205,7 @@ class TunnelService:
         elif isinstance(error, UpstreamError):
             self._metrics.upstream_failed(error.kind)
         if stream.head_sent:
-            exchange.cancelled_by = "timeout" if isinstance(error, UpstreamTimeout) else "engine"
+            exchange.cancelled_by = cancelled_by(error)
             exchange.status = None
             stream.reset(ErrorCode.H3_INTERNAL_ERROR)
             return

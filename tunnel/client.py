@@ -75,18 +75,37 @@ class H3Client(QuicConnectionProtocol):
         ] = {}
         """Body queues kept until `response()` collects them, even if the stream ended."""
         self._bodies: dict[int, asyncio.Queue[Any]] = {}
-        self._credit: ConsumptionCredit | None = None
+        self._credits: dict[int, ConsumptionCredit] = {}
+        """One credit per window size; each limits only the streams it tracks."""
+        self._stream_credits: dict[int, ConsumptionCredit] = {}
+        self._default_window: int | None = None
 
     def limit_receive_window(self, window_bytes: int) -> None:
         """Grant response credit only as the caller reads: makes a slow reader really slow.
 
-        aioquic otherwise grows the window as data arrives, whether read or not.
+        Applies to every stream opened from now on; `request(receive_window_bytes=)`
+        limits one stream only. aioquic otherwise grows the window as data
+        arrives, whether read or not.
         """
-        self._credit = ConsumptionCredit(self._quic, window_bytes=window_bytes)
+        self._default_window = window_bytes
+
+    def _limit_stream(self, stream_id: int, window_bytes: int) -> None:
+        credit = self._credits.get(window_bytes)
+        if credit is None:  # each credit chains to the previous one for streams it does not track
+            credit = ConsumptionCredit(self._quic, window_bytes=window_bytes)
+            self._credits[window_bytes] = credit
+        credit.track(stream_id)
+        self._stream_credits[stream_id] = credit
+
+    def _forget_credit(self, stream_id: int) -> None:
+        credit = self._stream_credits.pop(stream_id, None)
+        if credit is not None:
+            credit.forget(stream_id)
 
     def consumed(self, stream_id: int, byte_count: int) -> None:
-        if self._credit is not None:
-            self._credit.consumed(stream_id, byte_count)
+        credit = self._stream_credits.get(stream_id)
+        if credit is not None:
+            credit.consumed(stream_id, byte_count)
             self.transmit()
 
     def quic_event_received(self, event: QuicEvent) -> None:
@@ -110,15 +129,15 @@ class H3Client(QuicConnectionProtocol):
         elif isinstance(event, DataReceived):
             queue = self._bodies.get(event.stream_id)
             if queue is not None and event.data:
-                if self._credit is not None:
-                    self._credit.received(event.stream_id, len(event.data))
+                credit = self._stream_credits.get(event.stream_id)
+                if credit is not None:
+                    credit.received(event.stream_id, len(event.data))
                 queue.put_nowait(event.data)
             if event.stream_ended:
                 self._end(event.stream_id)
 
     def _end(self, stream_id: int) -> None:
-        if self._credit is not None:
-            self._credit.forget(stream_id)
+        self._forget_credit(stream_id)
         queue = self._bodies.pop(stream_id, None)
         if queue is not None:
             queue.put_nowait(_END)
@@ -133,6 +152,7 @@ class H3Client(QuicConnectionProtocol):
             queue.put_nowait(error)
 
     def reset_stream(self, stream_id: int) -> None:
+        self._forget_credit(stream_id)
         self._bodies.pop(stream_id, None)
         self._heads.pop(stream_id, None)
         with contextlib.suppress(Exception):
@@ -140,15 +160,18 @@ class H3Client(QuicConnectionProtocol):
             self._quic.stop_stream(stream_id, ErrorCode.H3_REQUEST_CANCELLED)
         self.transmit()
 
-    def open_request(self, headers: HeaderList, *, end: bool) -> int:
+    def open_request(
+        self, headers: HeaderList, *, end: bool, receive_window_bytes: int | None = None
+    ) -> int:
         """Send a raw header list on a new stream (no validation) and return its id."""
         stream_id = self._quic.get_next_available_stream_id()
         head: asyncio.Future[tuple[int, HeaderList]] = self._loop.create_future()
         queue: asyncio.Queue[Any] = asyncio.Queue()
         self._heads[stream_id], self._bodies[stream_id] = head, queue
         self._responses[stream_id] = (head, queue)
-        if self._credit is not None:
-            self._credit.track(stream_id)
+        window = receive_window_bytes or self._default_window
+        if window is not None:
+            self._limit_stream(stream_id, window)
         self._h3.send_headers(stream_id, list(headers), end_stream=end)
         self.transmit()
         return stream_id
@@ -171,6 +194,7 @@ class H3Client(QuicConnectionProtocol):
         body: bytes | None = None,
         authority: str = "pylon",
         chunk_size: int = 64 * 1024,
+        receive_window_bytes: int | None = None,
     ) -> ClientResponse:
         head = (
             (b":method", method.encode()),
@@ -179,7 +203,7 @@ class H3Client(QuicConnectionProtocol):
             (b":path", path.encode()),
             *((k.lower().encode(), v.encode()) for k, v in headers),
         )
-        stream_id = self.open_request(head, end=not body)
+        stream_id = self.open_request(head, end=not body, receive_window_bytes=receive_window_bytes)
         if body:
             await self._send_paced(stream_id, body, chunk_size=chunk_size)
         return await self.response(stream_id)

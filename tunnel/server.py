@@ -31,6 +31,7 @@ from aioquic.h3.events import DataReceived, H3Event, HeadersReceived
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.events import (
     ConnectionTerminated,
+    HandshakeCompleted,
     ProtocolNegotiated,
     QuicEvent,
     StopSendingReceived,
@@ -45,6 +46,9 @@ from tunnel.validation import parse_request_head
 
 logger = logging.getLogger(__name__)
 
+KEEPALIVE_PING_UID = 0
+"""aioquic reports PING acknowledgements by uid; `ping()` waiters use id() values, never 0."""
+
 
 @dataclass(frozen=True)
 class TunnelOptions:
@@ -52,6 +56,8 @@ class TunnelOptions:
     """Unacknowledged response bytes a stream may hold before the writer waits."""
     request_window_bytes: int = 1 << 20
     """Request body bytes the peer may send ahead of what the handler has read."""
+    ping_interval_s: float | None = None
+    """PING a connection that has been silent this long (None: never)."""
 
 
 class TunnelProtocol(QuicConnectionProtocol):
@@ -73,12 +79,17 @@ class TunnelProtocol(QuicConnectionProtocol):
         self._tasks: dict[int, asyncio.Task[None]] = {}
         self._highest_request_stream_id: int | None = None
         self._goaway_sent = False
+        self._quiet_since = self._loop.time()
+        """When a datagram last arrived or a keep-alive PING last left."""
+        self._keepalive: asyncio.TimerHandle | None = None
+        self.keepalive_pings_sent = 0
         registry.opened(self)
 
     # --- network side ---------------------------------------------------------------
 
     def datagram_received(self, data: bytes | str, addr: Any) -> None:
-        self._quic.receive_datagram(data, addr, now=self._loop.time())  # type: ignore[arg-type]
+        self._quiet_since = self._loop.time()
+        self._quic.receive_datagram(data, addr, now=self._quiet_since)  # type: ignore[arg-type]
         self._process_events()
         for stream in self.streams.values():
             stream.wake_if_drained()
@@ -89,9 +100,12 @@ class TunnelProtocol(QuicConnectionProtocol):
             self._h3 = TunnelH3Connection(self._quic)
             if self._registry.draining:
                 self.send_goaway()
+        elif isinstance(event, HandshakeCompleted):
+            self._schedule_keepalive()
         elif isinstance(event, StreamReset | StopSendingReceived):
             self._abort_stream(event.stream_id, event.error_code)
         elif isinstance(event, ConnectionTerminated):
+            self._stop_keepalive()
             for stream_id in list(self.streams):
                 self._abort_stream(stream_id, event.error_code)
             self._registry.closed(self)
@@ -176,6 +190,34 @@ class TunnelProtocol(QuicConnectionProtocol):
             return
         stream.abort(error_code)
         task.cancel()
+
+    # --- keep-alive -------------------------------------------------------------------
+
+    def _schedule_keepalive(self) -> None:
+        interval = self._options.ping_interval_s
+        if interval:
+            self._keepalive = self._loop.call_at(self._quiet_since + interval, self._keepalive_due)
+
+    def _keepalive_due(self) -> None:
+        """PING once the connection has been silent a whole interval (RFC 9000 §10.1.2).
+
+        The peer's ACK refreshes NAT and firewall state and both idle timers;
+        a dead peer sends none, so the idle timeout closes the connection.
+        """
+        interval = self._options.ping_interval_s
+        assert interval
+        now = self._loop.time()
+        if now - self._quiet_since >= interval and not self._quic._close_pending:
+            self._quic.send_ping(KEEPALIVE_PING_UID)
+            self.keepalive_pings_sent += 1
+            self._quiet_since = now
+            self.transmit()
+        self._schedule_keepalive()
+
+    def _stop_keepalive(self) -> None:
+        if self._keepalive is not None:
+            self._keepalive.cancel()
+            self._keepalive = None
 
     def send_goaway(self) -> None:
         """RFC 9114 §5.2: tell the gateway to open no new request streams here.

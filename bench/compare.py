@@ -1,0 +1,240 @@
+"""`python -m bench compare`: direct vs Pylon vs Caddy, in alternating rounds.
+
+Strategy: one mock engine, Pylon (`--backend passthrough`) and Caddy in
+front of it, all started once as subprocesses. Every path is warmed up, then
+each round runs the same load against each path, starting with a different
+path each round so no path always runs first. Around each run the bench
+snapshots the proxy's and the engine's CPU time (/proc) and resets the
+proxy's peak-RSS window. The report is the median over rounds of each
+metric and of each per-round comparison (see `compare_report`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import tempfile
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from bench import compare_report, stack
+from bench.drivers import Target
+from bench.load import LoadSpec, run_load
+from bench.output import cdf, machine, plot, results_dir, write_json
+from bench.procfs import cpu_seconds, peak_rss_bytes, reset_peak_rss
+from bench.progress import note
+from bench.stats import Record, Summary, error_counts, median_summary, ratio, summarize
+from bench.workloads import RequestSpec, small, stream, upload
+from pylon.devcert import ensure_dev_certificate
+
+
+@dataclass(frozen=True)
+class CompareOptions:
+    workload: str
+    rounds: int = 5
+    requests: int | None = None
+    concurrency: int | None = None
+    rate_rps: float | None = None
+    """Open loop at this rate instead of the closed-loop concurrency."""
+    tokens: int | None = None
+    token_delay_ms: float | None = None
+    body_bytes: int = 1 << 20
+    workers: int = 2
+    warmup: int | None = None
+    duration_s: float = 120.0
+    with_caddy: bool = True
+    pylon_args: tuple[str, ...] = ()
+    out_root: Path | None = None
+
+
+@dataclass(frozen=True)
+class _Defaults:
+    requests: int
+    concurrency: int
+    tokens: int
+    token_delay_ms: float
+
+
+DEFAULTS = {
+    "small": _Defaults(requests=2000, concurrency=16, tokens=16, token_delay_ms=0.0),
+    "stream": _Defaults(requests=512, concurrency=256, tokens=100, token_delay_ms=20.0),
+    "upload": _Defaults(requests=200, concurrency=8, tokens=1, token_delay_ms=0.0),
+}
+"""stream: 256 concurrent streams at 50 tokens/s (20 ms per token), the issue's target."""
+
+
+def resolved(options: CompareOptions) -> CompareOptions:
+    """Options with every workload default filled in."""
+    d = DEFAULTS[options.workload]
+    return replace(
+        options,
+        requests=options.requests or d.requests,
+        concurrency=None if options.rate_rps else (options.concurrency or d.concurrency),
+        tokens=options.tokens if options.tokens is not None else d.tokens,
+        token_delay_ms=d.token_delay_ms if options.token_delay_ms is None else options.token_delay_ms,
+    )
+
+
+def _pattern(options: CompareOptions) -> tuple[RequestSpec, ...]:
+    assert options.tokens is not None
+    if options.workload == "small":
+        return small(tokens=options.tokens)
+    if options.workload == "stream":
+        return stream(tokens=options.tokens)
+    return upload(body_bytes=options.body_bytes)
+
+
+def run_compare(options: CompareOptions) -> dict[str, Any]:
+    options = resolved(options)
+    out = results_dir(options.out_root, name=f"compare-{options.workload}")
+    note(f"results in {out}")
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as running:
+        cert, key = ensure_dev_certificate(Path(tmp) / "cert")
+        engine = running.enter_context(
+            stack.engine(out, tokens=options.tokens or 0, token_delay_ms=options.token_delay_ms or 0)
+        )
+        paths: dict[str, tuple[Target, stack.Service | None]] = {
+            "direct": (Target("h1", stack.HOST, engine.port), None)
+        }
+        pylon = running.enter_context(
+            stack.pylon(out, upstream=engine.url, cert=cert, key=key, extra_args=options.pylon_args)
+        )
+        paths["pylon"] = (Target("h3", stack.HOST, pylon.port), pylon)
+        if options.with_caddy and stack.caddy_binary() is not None:
+            caddy = running.enter_context(
+                stack.caddy(out, upstream_port=engine.port, cert=cert, key=key)
+            )
+            paths["caddy"] = (Target("h3", stack.HOST, caddy.port), caddy)
+        elif options.with_caddy:
+            note("caddy not found: comparing direct and Pylon only (apt-get install -y caddy)")
+        return _rounds(options, out, engine, paths)
+
+
+def _rounds(
+    options: CompareOptions,
+    out: Path,
+    engine: stack.Service,
+    paths: dict[str, tuple[Target, stack.Service | None]],
+) -> dict[str, Any]:
+    pattern = _pattern(options)
+    for name, (target, _) in paths.items():
+        warm = _spec(options, target, pattern, requests=options.warmup or options.concurrency or 50)
+        run_load(warm, label=f"warm-up {name}")
+    rounds: list[dict[str, Any]] = []
+    samples: dict[str, list[Record]] = {name: [] for name in paths}
+    names = list(paths)
+    for index in range(options.rounds):
+        order = names[index % len(names) :] + names[: index % len(names)]
+        by_path: dict[str, Summary] = {}
+        errors: dict[str, dict[str, int]] = {}
+        for name in order:
+            target, proxy = paths[name]
+            spec = _spec(options, target, pattern, run_id=f"r{index}-{name}")
+            label = f"round {index + 1}/{options.rounds} {name}"
+            records, by_path[name] = _measure(spec, engine=engine, proxy=proxy, label=label)
+            errors[name] = error_counts(records)
+            samples[name].extend(records)
+        rounds.append({"round": index + 1, "order": order, "paths": by_path, "errors": errors})
+    return _report(options, out, rounds, samples)
+
+
+def _spec(
+    options: CompareOptions,
+    target: Target,
+    pattern: tuple[RequestSpec, ...],
+    *,
+    requests: int | None = None,
+    run_id: str = "warm",
+) -> LoadSpec:
+    return LoadSpec(
+        target=target,
+        pattern=pattern,
+        requests=requests or options.requests or 1,
+        concurrency=options.concurrency,
+        rate_rps=options.rate_rps,
+        duration_s=options.duration_s,
+        workers=options.workers,
+        run_id=run_id,
+    )
+
+
+def _measure(
+    spec: LoadSpec, *, engine: stack.Service, proxy: stack.Service | None, label: str
+) -> tuple[list[Record], Summary]:
+    marks: dict[str, float] = {}
+
+    def on_start() -> None:
+        if proxy is not None:
+            reset_peak_rss(proxy.pid)
+            marks["proxy"] = cpu_seconds(proxy.pid)
+        marks["engine"] = cpu_seconds(engine.pid)
+
+    stack.engine_clear(engine.url)
+    result = run_load(spec, label=label, on_start=on_start)
+    summary = summarize(result.records, wall_s=result.wall_s)
+    proxy_cpu = None if proxy is None else cpu_seconds(proxy.pid) - marks["proxy"]
+    events = summary["events"] or None
+    summary |= {
+        "client_cpu_s": result.client_cpu_s,
+        "engine_cpu_s": cpu_seconds(engine.pid) - marks["engine"],
+        "proxy_cpu_s": proxy_cpu,
+        "proxy_cpu_per_request_s": ratio(proxy_cpu, len(result.records)),
+        "proxy_cpu_per_event_s": ratio(proxy_cpu, events),
+        "proxy_peak_rss_bytes": None if proxy is None else peak_rss_bytes(proxy.pid),
+    }
+    return result.records, summary
+
+
+def _report(
+    options: CompareOptions,
+    out: Path,
+    rounds: list[dict[str, Any]],
+    samples: dict[str, list[Record]],
+) -> dict[str, Any]:
+    medians = {name: median_summary([r["paths"][name] for r in rounds]) for name in samples}
+    comparison = compare_report.median_comparison([r["paths"] for r in rounds])
+    checks = compare_report.target_checks(options.workload, medians, comparison)
+    result = {
+        "command": ["python", "-m", "bench", *sys.argv[1:]],
+        "options": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(options).items()},
+        "machine": machine(),
+        "rounds": rounds,
+        "medians": medians,
+        "comparison": comparison,
+        "targets": [{"target": t, "measured": m, "met": ok} for t, m, ok in checks],
+    }
+    write_json(out / "compare.json", result)
+    print(f"\n== compare {options.workload}: medians over {options.rounds} rounds ==")
+    print(compare_report.paths_table(medians))
+    print()
+    print(compare_report.ratios_table(comparison))
+    print()
+    print(compare_report.targets_table(checks))
+    _plots(out, options.workload, samples)
+    print(f"\nresults: {out}")
+    return result
+
+
+def _plots(out: Path, workload: str, samples: dict[str, list[Record]]) -> None:
+    def draw_cdf(values_of: Any, xlabel: str) -> Any:
+        def draw(pyplot: Any) -> None:
+            for name, records in samples.items():
+                xs, ys = cdf([v * 1000 for v in values_of(records)])
+                pyplot.plot(xs, ys, label=name)
+            pyplot.xscale("log")
+            pyplot.xlabel(xlabel)
+            pyplot.ylabel("fraction of requests" if "TTFB" in xlabel else "fraction of gaps")
+            pyplot.title(f"{workload}: {xlabel} by path (all rounds)")
+            pyplot.legend()
+            pyplot.grid(True, which="both", alpha=0.3)
+
+        return draw
+
+    def ttfb(records: list[Record]) -> list[float]:
+        return [r.ttfb_s for r in records if r.ok and r.ttfb_s is not None]
+
+    plot(out / "ttfb_cdf.png", draw_cdf(ttfb, "TTFB (ms)"))
+    if workload == "stream":
+        gaps = draw_cdf(lambda rs: [g for r in rs if r.ok for g in r.gaps_s], "inter-event gap (ms)")
+        plot(out / "gap_cdf.png", gaps)

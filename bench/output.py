@@ -1,0 +1,83 @@
+"""Where results go: `bench/results/<timestamp>/` with JSON, logs and (optional) PNG plots.
+
+matplotlib is an optional extra (`pip install -e '.[bench]'`): without it
+the bench still writes every JSON file and says which plots it skipped.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from bench.progress import note
+from bench.stats import percentile
+
+RESULTS_ROOT = Path(__file__).resolve().parent / "results"
+CDF_POINTS = 200
+
+
+def results_dir(root: Path | None = None, *, name: str) -> Path:
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    path = (root or RESULTS_ROOT) / f"{stamp}-{name}"
+    path.mkdir(parents=True, exist_ok=False)
+    return path
+
+
+def machine() -> dict[str, Any]:
+    return {
+        "cpus": os.cpu_count(),
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "caddy": _version(["caddy", "version"]),
+    }
+
+
+def _version(argv: Sequence[str]) -> str | None:
+    try:
+        done = subprocess.run(list(argv), capture_output=True, text=True, timeout=10, check=False)
+    except OSError:
+        return None
+    return done.stdout.strip().split()[0] if done.stdout.strip() else None
+
+
+def write_json(path: Path, data: Mapping[str, Any]) -> Path:
+    path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+    return path
+
+
+def cdf(values: Sequence[float], points: int = CDF_POINTS) -> tuple[list[float], list[float]]:
+    """(x, y) of an empirical CDF at `points` evenly spaced quantiles (pure)."""
+    if not values:
+        return [], []
+    qs = [100 * i / (points - 1) for i in range(points)]
+    xs = [percentile(values, q) or 0.0 for q in qs]
+    return xs, [q / 100 for q in qs]
+
+
+def plot(
+    path: Path, draw: Callable[[Any], None], *, size: tuple[float, float] = (8, 5)
+) -> Path | None:
+    """Call `draw(pyplot)` and save a PNG, or say why not (matplotlib missing)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as pyplot
+    except ImportError:
+        note(f"matplotlib not installed: skipped {path.name} (pip install -e '.[bench]')")
+        return None
+    figure = pyplot.figure(figsize=size)
+    try:
+        draw(pyplot)
+        figure.tight_layout()
+        figure.savefig(path, dpi=110)
+    finally:
+        pyplot.close(figure)
+    return path
