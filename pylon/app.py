@@ -14,6 +14,7 @@ import contextlib
 import logging
 from dataclasses import dataclass, field
 from importlib.metadata import version
+from typing import Any
 
 import httpx
 from aioquic.quic.configuration import QuicConfiguration
@@ -30,6 +31,7 @@ from pylon.metrics import DenyList, Metrics
 from pylon.pipeline import PipelineOptions
 from pylon.readiness import PROBE_INTERVAL_S, EngineProbe, Readiness
 from pylon.service import ServiceOptions, TunnelService
+from pylon.tracing import Tracing, TracingUnavailable, build_tracing
 from tunnel.server import TunnelOptions, TunnelServer, start_tunnel
 
 logger = logging.getLogger("pylon")
@@ -131,7 +133,9 @@ async def start_pylon(
     *,
     registry: CollectorRegistry | None = None,
     probe_interval_s: float = PROBE_INTERVAL_S,
+    tracer_provider: Any = None,
 ) -> RunningPylon:
+    """Start every part; `tracer_provider` lets tests collect spans in memory."""
     registry = registry if registry is not None else CollectorRegistry()
     configuration = quic_configuration(settings)
     async with contextlib.AsyncExitStack() as stack:  # unwinds only if start-up fails
@@ -144,7 +148,17 @@ async def start_pylon(
         client = build_upstream_client(upstream)
         stack.push_async_callback(client.aclose)
         forwarder = Forwarder(client, upstream)
-        service = _build_service(settings, adapter=adapter, forwarder=forwarder, metrics=metrics)
+        try:
+            tracing = build_tracing(
+                enabled=settings.tracing.enabled,
+                backend=adapter.name,
+                tracer_provider=tracer_provider,
+            )
+        except TracingUnavailable as exc:
+            raise StartupError(str(exc)) from exc
+        service = _build_service(
+            settings, adapter=adapter, forwarder=forwarder, metrics=metrics, tracing=tracing
+        )
         tunnel = await _start_listener(settings, configuration, service)
         stack.callback(tunnel.close)
         readiness = Readiness(listener_up=True)
@@ -172,7 +186,12 @@ async def start_pylon(
 
 
 def _build_service(
-    settings: Settings, *, adapter: BackendAdapter, forwarder: Forwarder, metrics: Metrics
+    settings: Settings,
+    *,
+    adapter: BackendAdapter,
+    forwarder: Forwarder,
+    metrics: Metrics,
+    tracing: Tracing | None,
 ) -> TunnelService:
     return TunnelService(
         adapter=adapter,
@@ -187,6 +206,7 @@ def _build_service(
             total_timeout_s=settings.upstream.total_timeout_s,
         ),
         metrics=metrics,
+        tracing=tracing,
     )
 
 

@@ -119,6 +119,12 @@ SERVE_FLAGS: tuple[Flag, ...] = (
         "--idle-timeout-s", "upstream.idle_timeout_s", "longest silence between chunks", float, "S"
     ),
     Flag("--total-timeout-s", "upstream.total_timeout_s", "deadline per request", float, "S"),
+    Flag(
+        "--tracing",
+        "tracing.enabled",
+        "OpenTelemetry spans (OTLP, configured by OTEL_*)",
+        boolean=True,
+    ),
     Flag("--state-dir", "state_dir", "where --dev keeps its certificate", metavar="DIR"),
     Flag("--log-level", "log_level", "debug, info, warning or error", metavar="LEVEL"),
 )

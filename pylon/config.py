@@ -69,6 +69,12 @@ class LimitsSettings(_Section):
     """Request body bytes a gateway may send ahead of what Pylon has forwarded."""
 
 
+class TracingSettings(_Section):
+    enabled: bool = False
+    """OpenTelemetry spans for tunnel and upstream requests; the OTLP exporter
+    reads the standard OTEL_* variables (e.g. OTEL_EXPORTER_OTLP_ENDPOINT)."""
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="PYLON_",
@@ -85,7 +91,7 @@ class Settings(BaseSettings):
     """On SIGTERM, how long in-flight requests may run before connections close.
     Keep Kubernetes terminationGracePeriodSeconds above this."""
     quic_idle_timeout_s: float = Field(default=60.0, gt=0)
-    """A tunnel connection with no packets for this long is closed (the gateway pings)."""
+    """A tunnel connection with no packets for this long is closed (both ends PING before)."""
     quic_ping_interval_s: float = Field(default=15.0, ge=0)
     """Pylon PINGs a tunnel connection silent this long, keeping NAT and firewall
     state alive and finding dead peers; 0 disables. Must be below quic_idle_timeout_s."""
@@ -101,6 +107,7 @@ class Settings(BaseSettings):
     tls: TlsSettings = TlsSettings()
     upstream: UpstreamSettings = UpstreamSettings()
     limits: LimitsSettings = LimitsSettings()
+    tracing: TracingSettings = TracingSettings()
     priority: PriorityPolicy = PriorityPolicy()
     backend: BackendConfig = PassthroughConfig()
 

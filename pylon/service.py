@@ -11,8 +11,10 @@ access log and `pylon_cancellations_total{by}`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +38,7 @@ from pylon.pipeline import (
     plan_request,
     sanitize_body,
 )
+from pylon.tracing import Tracing
 from pylon.tunnel_headers import REQUEST_ID
 from tunnel.stream import TunnelStream
 from tunnel.types import StreamAborted
@@ -76,6 +79,8 @@ class Exchange:
     cut_by: str | None = None
     """Set when Pylon itself cancels the request (`TunnelService.cut_in_flight`)."""
     request_bytes: int = 0
+    span: Any = None
+    """The tunnel request's OpenTelemetry span, when tracing is on."""
 
 
 @dataclass(frozen=True)
@@ -93,7 +98,9 @@ class TunnelService:
         forwarder: Forwarder,
         options: ServiceOptions,
         metrics: Metrics,
+        tracing: Tracing | None = None,
     ) -> None:
+        self._tracing = tracing
         self._adapter = adapter
         self._forwarder = forwarder
         self._options = options
@@ -114,8 +121,21 @@ class TunnelService:
         return len(self._in_flight)
 
     async def __call__(self, stream: TunnelStream) -> None:
+        if self._tracing is None:  # no tracing cost at all when it is off
+            await self._handle(stream, span=None)
+            return
+        head = stream.head
+        with self._tracing.tunnel_span(
+            method=head.method, path=head.path, headers=head.headers
+        ) as span:
+            await self._handle(stream, span=span)
+
+    def _upstream_span(self) -> AbstractContextManager[Any]:
+        return contextlib.nullcontext() if self._tracing is None else self._tracing.upstream_span()
+
+    async def _handle(self, stream: TunnelStream, *, span: Any) -> None:
         loop = asyncio.get_running_loop()
-        exchange = Exchange(started=loop.time())
+        exchange = Exchange(started=loop.time(), span=span)
         task = asyncio.current_task()
         assert task is not None
         self._in_flight[task] = exchange
@@ -146,6 +166,16 @@ class TunnelService:
         self._metrics.inputs_stripped("header", plan.stripped_headers)
         content = await self._request_content(stream, plan, exchange)
         self._note_priority(plan, exchange)
+        with self._upstream_span():
+            await self._forward(stream, plan, exchange, content)
+
+    async def _forward(
+        self,
+        stream: TunnelStream,
+        plan: RequestPlan,
+        exchange: Exchange,
+        content: bytes | AsyncIterator[bytes],
+    ) -> None:
         async with self._forwarder.exchange(
             method=stream.head.method,
             path=stream.head.path,
@@ -218,6 +248,8 @@ class TunnelService:
         stream.send_complete(error.status, tuple(headers), body)
 
     def _account(self, stream: TunnelStream, exchange: Exchange, *, duration_s: float) -> None:
+        if exchange.span is not None:
+            _annotate_span(exchange.span, exchange, backend=self._adapter.name)
         if exchange.cancelled_by is not None:
             self._metrics.request_cancelled(exchange.cancelled_by)
         self._metrics.request_finished(
@@ -262,3 +294,16 @@ async def _read_bounded(stream: TunnelStream, limit: int) -> bytes:
             raise BodyTooLarge(f"request body exceeds {limit} bytes")
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+def _annotate_span(span: Any, exchange: Exchange, *, backend: str) -> None:
+    attributes = {
+        "pylon.request_id": exchange.request_id,
+        "pylon.backend": backend,
+        "pylon.route": exchange.route,
+        "pylon.priority.emitted": exchange.emitted_priority,
+        "http.response.status_code": exchange.status,
+        "pylon.error": exchange.error,
+        "pylon.cancelled_by": exchange.cancelled_by,
+    }
+    span.set_attributes({key: value for key, value in attributes.items() if value is not None})
