@@ -13,7 +13,7 @@ import contextlib
 import logging
 import signal
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +36,11 @@ def parse_bool(text: str) -> bool:
     if lowered in {"0", "false", "no", "off"}:
         return False
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def comma_list(text: str) -> tuple[str, ...]:
+    """A repeatable value in one flag: `a,b` -> ("a", "b"), blanks dropped."""
+    return tuple(item.strip() for item in text.split(",") if item.strip())
 
 
 @dataclass(frozen=True)
@@ -81,6 +86,21 @@ SERVE_FLAGS: tuple[Flag, ...] = (
     ),
     Flag("--cert", "tls.cert_file", "PEM certificate chain", metavar="FILE"),
     Flag("--key", "tls.key_file", "PEM private key", metavar="FILE"),
+    Flag("--client-ca", "auth.client_ca_file", "require gateway client certs from", metavar="FILE"),
+    Flag(
+        "--allowed-san",
+        "auth.allowed_sans",
+        "client-cert SANs accepted, comma-separated",
+        comma_list,
+        "NAME[,NAME...]",
+    ),
+    Flag("--token-file", "auth.token_file", "accepted bearer tokens", metavar="FILE"),
+    Flag(
+        "--insecure-no-auth",
+        "auth.insecure_no_auth",
+        "run without tunnel authentication (not with real traffic)",
+        boolean=True,
+    ),
     Flag("--dev", "dev", "generated certificate, built-in mock engine, human logs", boolean=True),
     Flag(
         "--derive-priority", "derive_priority", "derive engine priority (kill switch)", boolean=True
@@ -125,6 +145,7 @@ SERVE_FLAGS: tuple[Flag, ...] = (
         "OpenTelemetry spans (OTLP, configured by OTEL_*)",
         boolean=True,
     ),
+    Flag("--event-loop", "event_loop", "asyncio (default) or uvloop", metavar="LOOP"),
     Flag("--state-dir", "state_dir", "where --dev keeps its certificate", metavar="DIR"),
     Flag("--log-level", "log_level", "debug, info, warning or error", metavar="LEVEL"),
 )
@@ -224,7 +245,7 @@ def run_serve(namespace: argparse.Namespace) -> int:
         return _fail(str(error))
     configure_logging(level=settings.log_level, human=settings.dev)
     try:
-        return asyncio.run(_serve_until_signalled(settings))
+        return run_event_loop(_serve_until_signalled(settings), choice=settings.event_loop)
     except StartupError as error:
         return _fail(str(error))
     except OSError as error:
@@ -257,6 +278,18 @@ async def _serve_until_signalled(settings: Settings) -> int:
         return 0
     finally:
         await pylon.close()
+
+
+def run_event_loop(main: Coroutine[Any, Any, int], *, choice: str) -> int:
+    """Run on asyncio, or on uvloop when chosen (and installed)."""
+    if choice == "asyncio":
+        return asyncio.run(main)
+    try:
+        import uvloop
+    except ImportError:
+        main.close()
+        raise StartupError("event_loop = uvloop but uvloop is not installed") from None
+    return uvloop.run(main)
 
 
 def _print_ready(settings: Settings, *, host: str, port: int, upstream: str) -> None:

@@ -9,7 +9,7 @@ fails loudly instead of silently running with a default.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import (
@@ -67,6 +67,73 @@ class LimitsSettings(_Section):
     """Unacknowledged response bytes per stream before Pylon stops reading the engine."""
     request_window_bytes: int = Field(default=1 * MIB, ge=16 * 1024)
     """Request body bytes a gateway may send ahead of what Pylon has forwarded."""
+    max_header_bytes: int = Field(default=64 * 1024, ge=1024)
+    """Largest request header section, counted as RFC 9114 §4.2.2 does (name +
+    value + 32 per field, pseudo-headers included): 431 beyond; a HEADERS
+    frame over twice this is reset unread. Envoy's default is 60 KiB."""
+    max_streams_per_connection: int = Field(default=512, ge=1)
+    """Requests served at once on one tunnel connection: 503 (retry-safe) beyond."""
+    max_streams_total: int = Field(default=1024, ge=1)
+    """Requests served at once over all connections: 503 (retry-safe) beyond."""
+    max_connections: int = Field(default=64, ge=1)
+    """Open tunnel connections; a new one beyond is closed with CONNECTION_REFUSED."""
+    request_body_idle_timeout_s: float = Field(default=30.0, gt=0)
+    """Longest wait for the next request body bytes: 408 if nothing reached the
+    engine yet, else the stream is reset."""
+
+
+DEFAULT_ALLOWED_HEADERS = (
+    "content-type",
+    "accept",
+    "accept-encoding",
+    "user-agent",
+    "traceparent",
+    "tracestate",
+)
+"""What an inference request needs; Pylon's own headers (x-request-id, the
+derived priority headers) are always added on top."""
+
+
+class AuthSettings(_Section):
+    client_ca_file: Path | None = None
+    """PEM CA bundle: the gateway must present a client certificate that chains
+    to it (mTLS, checked in the QUIC handshake)."""
+    allowed_sans: tuple[str, ...] = ()
+    """DNS names or URIs the client certificate must carry one of (empty: any
+    certificate from the CA). Needs client_ca_file."""
+    token_file: Path | None = None
+    """File of accepted bearer tokens, one per line (`authorization: Bearer ...`
+    on every request); re-read when it changes."""
+    insecure_no_auth: bool = False
+    """Run with no tunnel authentication outside --dev (logged as a warning)."""
+
+    @model_validator(mode="after")
+    def _sans_need_a_ca(self) -> AuthSettings:
+        if self.allowed_sans and self.client_ca_file is None:
+            raise ValueError("allowed_sans needs client_ca_file")
+        return self
+
+
+class SecuritySettings(_Section):
+    header_policy: Literal["denylist", "allowlist"] = "denylist"
+    """`denylist` forwards every header but the deny-listed ones; `allowlist`
+    forwards only allowed_headers (the deny-lists apply in both)."""
+    allowed_headers: tuple[str, ...] = DEFAULT_ALLOWED_HEADERS
+    """Headers forwarded in allowlist mode (names, case-insensitive)."""
+    enable_0rtt: bool = False
+    """0-RTT (early data). Not supported: setting it true refuses to start
+    (see docs/security.md)."""
+
+    @field_validator("allowed_headers")
+    @classmethod
+    def _lowercase(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(name.strip().lower() for name in value)
+
+    def header_allowlist(self) -> frozenset[bytes] | None:
+        """The pipeline's form: the allowed names in allowlist mode, None in denylist mode."""
+        if self.header_policy == "denylist":
+            return None
+        return frozenset(name.encode("latin-1") for name in self.allowed_headers)
 
 
 class TracingSettings(_Section):
@@ -100,6 +167,9 @@ class Settings(BaseSettings):
     state_dir: Path = Path(".pylon")
     """Where development state (the generated certificate) is kept."""
     log_level: str = "info"
+    event_loop: Literal["asyncio", "uvloop"] = "asyncio"
+    """asyncio by default: with aioquic's datagram path uvloop measured slower
+    here (docs/performance.md); `uvloop` needs it installed."""
     derive_priority: bool = True
     """Kill switch for priority derivation; the trust-boundary strip is never switched off."""
     health_paths: tuple[str, ...] = ()
@@ -108,6 +178,8 @@ class Settings(BaseSettings):
     upstream: UpstreamSettings = UpstreamSettings()
     limits: LimitsSettings = LimitsSettings()
     tracing: TracingSettings = TracingSettings()
+    auth: AuthSettings = AuthSettings()
+    security: SecuritySettings = SecuritySettings()
     priority: PriorityPolicy = PriorityPolicy()
     backend: BackendConfig = PassthroughConfig()
 

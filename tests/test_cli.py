@@ -139,13 +139,16 @@ def test_unknown_flag_exits_non_zero() -> None:
     assert "unrecognized arguments: --frobnicate" in result.stderr
 
 
-def test_serve_dev_and_call_stream_a_chat_completion(tmp_path: Path) -> None:
+@pytest.mark.parametrize("event_loop", ["asyncio", "uvloop"])
+def test_serve_dev_and_call_stream_a_chat_completion(tmp_path: Path, event_loop: str) -> None:
     """The README's main job: `pylon serve --dev` in front of the mock, `pylon call` through it."""
     with subprocess.Popen(
         [
             *PYLON,
             "serve",
             "--dev",
+            "--event-loop",
+            event_loop,
             "--listen",
             "127.0.0.1:0",
             "--admin-listen",
