@@ -21,11 +21,12 @@ from typing import Any
 from bench import compare_report, stack
 from bench.drivers import Target
 from bench.load import LoadSpec, run_load
-from bench.output import cdf, machine, plot, results_dir, write_json
-from bench.procfs import cpu_seconds, peak_rss_bytes, reset_peak_rss
+from bench.output import machine, results_dir, write_json
+from bench.plots import compare_plots
+from bench.procfs import cpu_seconds, machine_busy_seconds, peak_rss_bytes, reset_peak_rss
 from bench.progress import note
 from bench.stats import Record, Summary, error_counts, median_summary, ratio, summarize
-from bench.workloads import RequestSpec, small, stream, upload
+from bench.workloads import RequestSpec, small, stream, upload, with_headers
 from pylon.devcert import ensure_dev_certificate
 
 
@@ -44,7 +45,18 @@ class CompareOptions:
     warmup: int | None = None
     duration_s: float = 120.0
     with_caddy: bool = True
+    pylon_auth: bool = True
+    """Bearer-token authentication on Pylon, as in production (Caddy has none)."""
     pylon_args: tuple[str, ...] = ()
+    pylon_command: tuple[str, ...] = ()
+    """Replaces `python -m pylon.cli` for the "pylon" path."""
+    candidate_command: tuple[str, ...] = ()
+    """Adds a "candidate" path: Pylon run as this command (e.g. a script that patches
+    Pylon), measured in the same rounds, to evaluate a change without making it."""
+    candidate_args: tuple[str, ...] = ()
+    """Extra `pylon serve` flags for the candidate only (alone, they make a candidate
+    of the stock Pylon with those flags, e.g. `--event-loop uvloop`)."""
+    streams_per_connection: int = 64
     out_root: Path | None = None
 
 
@@ -72,7 +84,9 @@ def resolved(options: CompareOptions) -> CompareOptions:
         requests=options.requests or d.requests,
         concurrency=None if options.rate_rps else (options.concurrency or d.concurrency),
         tokens=options.tokens if options.tokens is not None else d.tokens,
-        token_delay_ms=d.token_delay_ms if options.token_delay_ms is None else options.token_delay_ms,
+        token_delay_ms=d.token_delay_ms
+        if options.token_delay_ms is None
+        else options.token_delay_ms,
     )
 
 
@@ -85,42 +99,70 @@ def _pattern(options: CompareOptions) -> tuple[RequestSpec, ...]:
     return upload(body_bytes=options.body_bytes)
 
 
+@dataclass(frozen=True)
+class _Path:
+    """One way to the engine: where to send, what to measure, what to send."""
+
+    target: Target
+    proxy: stack.Service | None
+    pattern: tuple[RequestSpec, ...]
+
+
 def run_compare(options: CompareOptions) -> dict[str, Any]:
     options = resolved(options)
     out = results_dir(options.out_root, name=f"compare-{options.workload}")
     note(f"results in {out}")
+    host = machine()
+    pattern = _pattern(options)
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as running:
-        cert, key = ensure_dev_certificate(Path(tmp) / "cert")
+        tls = ensure_dev_certificate(Path(tmp) / "cert")
+        token_file, auth = stack.write_token(Path(tmp)) if options.pylon_auth else (None, None)
         engine = running.enter_context(
-            stack.engine(out, tokens=options.tokens or 0, token_delay_ms=options.token_delay_ms or 0)
+            stack.engine(
+                out, tokens=options.tokens or 0, token_delay_ms=options.token_delay_ms or 0
+            )
         )
-        paths: dict[str, tuple[Target, stack.Service | None]] = {
-            "direct": (Target("h1", stack.HOST, engine.port), None)
+        paths = {"direct": _Path(Target("h1", stack.HOST, engine.port), None, pattern)}
+        pylon_pattern = with_headers(pattern, [auth] if auth else [])
+        commands: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+            "pylon": (options.pylon_command, ())
         }
-        pylon = running.enter_context(
-            stack.pylon(out, upstream=engine.url, cert=cert, key=key, extra_args=options.pylon_args)
-        )
-        paths["pylon"] = (Target("h3", stack.HOST, pylon.port), pylon)
+        if options.candidate_command or options.candidate_args:
+            commands["candidate"] = (options.candidate_command, options.candidate_args)
+        for name, (command, args) in commands.items():
+            service = running.enter_context(
+                stack.pylon(
+                    out,
+                    upstream=engine.url,
+                    cert=tls[0],
+                    key=tls[1],
+                    token_file=token_file,
+                    extra_args=(*options.pylon_args, *args),
+                    command=command,
+                    name=name,
+                )
+            )
+            paths[name] = _Path(Target("h3", stack.HOST, service.port), service, pylon_pattern)
         if options.with_caddy and stack.caddy_binary() is not None:
             caddy = running.enter_context(
-                stack.caddy(out, upstream_port=engine.port, cert=cert, key=key)
+                stack.caddy(out, upstream_port=engine.port, cert=tls[0], key=tls[1])
             )
-            paths["caddy"] = (Target("h3", stack.HOST, caddy.port), caddy)
+            paths["caddy"] = _Path(Target("h3", stack.HOST, caddy.port), caddy, pattern)
         elif options.with_caddy:
-            note("caddy not found: comparing direct and Pylon only (apt-get install -y caddy)")
-        return _rounds(options, out, engine, paths)
+            note("caddy not found: comparing without it (apt-get install -y caddy)")
+        return _rounds(options, out, engine, paths, host)
 
 
 def _rounds(
     options: CompareOptions,
     out: Path,
     engine: stack.Service,
-    paths: dict[str, tuple[Target, stack.Service | None]],
+    paths: dict[str, _Path],
+    host: dict[str, Any],
 ) -> dict[str, Any]:
-    pattern = _pattern(options)
-    for name, (target, _) in paths.items():
-        warm = _spec(options, target, pattern, requests=options.warmup or options.concurrency or 50)
-        run_load(warm, label=f"warm-up {name}")
+    for name, path in paths.items():
+        warmup = options.warmup or options.concurrency or 50
+        run_load(_spec(options, path, requests=warmup), label=f"warm-up {name}")
     rounds: list[dict[str, Any]] = []
     samples: dict[str, list[Record]] = {name: [] for name in paths}
     names = list(paths)
@@ -129,34 +171,38 @@ def _rounds(
         by_path: dict[str, Summary] = {}
         errors: dict[str, dict[str, int]] = {}
         for name in order:
-            target, proxy = paths[name]
-            spec = _spec(options, target, pattern, run_id=f"r{index}-{name}")
+            spec = _spec(options, paths[name], run_id=f"r{index}-{name}")
             label = f"round {index + 1}/{options.rounds} {name}"
+            proxy = paths[name].proxy
             records, by_path[name] = _measure(spec, engine=engine, proxy=proxy, label=label)
             errors[name] = error_counts(records)
             samples[name].extend(records)
         rounds.append({"round": index + 1, "order": order, "paths": by_path, "errors": errors})
-    return _report(options, out, rounds, samples)
+    return _report(options, out, rounds, samples, host)
 
 
 def _spec(
-    options: CompareOptions,
-    target: Target,
-    pattern: tuple[RequestSpec, ...],
-    *,
-    requests: int | None = None,
-    run_id: str = "warm",
+    options: CompareOptions, path: _Path, *, requests: int | None = None, run_id: str = "warm"
 ) -> LoadSpec:
     return LoadSpec(
-        target=target,
-        pattern=pattern,
+        target=path.target,
+        pattern=path.pattern,
         requests=requests or options.requests or 1,
         concurrency=options.concurrency,
         rate_rps=options.rate_rps,
         duration_s=options.duration_s,
+        ramp_s=_ramp_s(options),
         workers=options.workers,
+        streams_per_connection=options.streams_per_connection,
         run_id=run_id,
     )
+
+
+def _ramp_s(options: CompareOptions) -> float:
+    """Streams start spread over one stream's length: a steady `concurrency` streams."""
+    if options.workload != "stream" or not options.tokens or not options.token_delay_ms:
+        return 0.0
+    return options.tokens * options.token_delay_ms / 1000
 
 
 def _measure(
@@ -169,15 +215,20 @@ def _measure(
             reset_peak_rss(proxy.pid)
             marks["proxy"] = cpu_seconds(proxy.pid)
         marks["engine"] = cpu_seconds(engine.pid)
+        marks["machine"] = machine_busy_seconds()
 
     stack.engine_clear(engine.url)
     result = run_load(spec, label=label, on_start=on_start)
     summary = summarize(result.records, wall_s=result.wall_s)
+    machine_cpu = machine_busy_seconds() - marks["machine"]
     proxy_cpu = None if proxy is None else cpu_seconds(proxy.pid) - marks["proxy"]
+    engine_cpu = cpu_seconds(engine.pid) - marks["engine"]
     events = summary["events"] or None
     summary |= {
         "client_cpu_s": result.client_cpu_s,
-        "engine_cpu_s": cpu_seconds(engine.pid) - marks["engine"],
+        "engine_cpu_s": engine_cpu,
+        "machine_cpu_s": machine_cpu,
+        "other_cpu_s": machine_cpu - result.client_cpu_s - engine_cpu - (proxy_cpu or 0.0),
         "proxy_cpu_s": proxy_cpu,
         "proxy_cpu_per_request_s": ratio(proxy_cpu, len(result.records)),
         "proxy_cpu_per_event_s": ratio(proxy_cpu, events),
@@ -191,6 +242,7 @@ def _report(
     out: Path,
     rounds: list[dict[str, Any]],
     samples: dict[str, list[Record]],
+    host: dict[str, Any],
 ) -> dict[str, Any]:
     medians = {name: median_summary([r["paths"][name] for r in rounds]) for name in samples}
     comparison = compare_report.median_comparison([r["paths"] for r in rounds])
@@ -198,7 +250,7 @@ def _report(
     result = {
         "command": ["python", "-m", "bench", *sys.argv[1:]],
         "options": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(options).items()},
-        "machine": machine(),
+        "machine": host,
         "rounds": rounds,
         "medians": medians,
         "comparison": comparison,
@@ -211,30 +263,6 @@ def _report(
     print(compare_report.ratios_table(comparison))
     print()
     print(compare_report.targets_table(checks))
-    _plots(out, options.workload, samples)
+    compare_plots(out, options.workload, samples)
     print(f"\nresults: {out}")
     return result
-
-
-def _plots(out: Path, workload: str, samples: dict[str, list[Record]]) -> None:
-    def draw_cdf(values_of: Any, xlabel: str) -> Any:
-        def draw(pyplot: Any) -> None:
-            for name, records in samples.items():
-                xs, ys = cdf([v * 1000 for v in values_of(records)])
-                pyplot.plot(xs, ys, label=name)
-            pyplot.xscale("log")
-            pyplot.xlabel(xlabel)
-            pyplot.ylabel("fraction of requests" if "TTFB" in xlabel else "fraction of gaps")
-            pyplot.title(f"{workload}: {xlabel} by path (all rounds)")
-            pyplot.legend()
-            pyplot.grid(True, which="both", alpha=0.3)
-
-        return draw
-
-    def ttfb(records: list[Record]) -> list[float]:
-        return [r.ttfb_s for r in records if r.ok and r.ttfb_s is not None]
-
-    plot(out / "ttfb_cdf.png", draw_cdf(ttfb, "TTFB (ms)"))
-    if workload == "stream":
-        gaps = draw_cdf(lambda rs: [g for r in rs if r.ok for g in r.gaps_s], "inter-event gap (ms)")
-        plot(out / "gap_cdf.png", gaps)

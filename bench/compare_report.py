@@ -15,7 +15,8 @@ from collections.abc import Mapping, Sequence
 from bench.stats import Summary, difference, median_summary, ratio
 from bench.table import fmt_mib, fmt_ms, fmt_num, fmt_ratio, fmt_us, format_table
 
-DIRECT, PYLON, CADDY = "direct", "pylon", "caddy"
+DIRECT, PYLON, CANDIDATE, CADDY = "direct", "pylon", "candidate", "caddy"
+PROXIES = (PYLON, CANDIDATE, CADDY)
 ADDED = ("ttfb_p50_s", "ttfb_p99_s", "gap_p50_s", "gap_p99_s")
 VS_DIRECT = ("throughput_rps", "ttfb_p50_s", "ttfb_p99_s", "gap_p99_s")
 VS_CADDY = (
@@ -31,16 +32,15 @@ def round_comparison(by_path: Mapping[str, Mapping[str, float | int | None]]) ->
     """Flat keys: "added <metric> <path>" and "<metric> <a>/<b>"."""
     out: Summary = {}
     direct = by_path.get(DIRECT, {})
-    for path in (PYLON, CADDY):
-        if path not in by_path:
-            continue
+    for path in (p for p in PROXIES if p in by_path):
         for metric in ADDED:
             out[f"added {metric} {path}"] = difference(by_path[path][metric], direct.get(metric))
         for metric in VS_DIRECT:
             out[f"{metric} {path}/{DIRECT}"] = ratio(by_path[path][metric], direct.get(metric))
-    if PYLON in by_path and CADDY in by_path:
-        for metric in VS_CADDY:
-            out[f"{metric} {PYLON}/{CADDY}"] = ratio(by_path[PYLON][metric], by_path[CADDY][metric])
+    for a, b in ((PYLON, CADDY), (CANDIDATE, CADDY), (CANDIDATE, PYLON)):
+        if a in by_path and b in by_path:
+            for metric in VS_CADDY:
+                out[f"{metric} {a}/{b}"] = ratio(by_path[a][metric], by_path[b][metric])
     return out
 
 
@@ -60,9 +60,13 @@ def target_checks(
     if workload == "stream":
         lost, errors = pylon.get("lost_events"), pylon.get("errors")
         no_loss = None if lost is None else (lost == 0 and errors == 0)
-        checks.append(("no lost events", f"lost {fmt_num(lost)}, errors {fmt_num(errors)}", no_loss))
+        checks.append(
+            ("no lost events", f"lost {fmt_num(lost)}, errors {fmt_num(errors)}", no_loss)
+        )
         added = comparison.get(f"added gap_p99_s {PYLON}")
-        checks.append(("p99 added inter-token delay <= 5 ms", f"{fmt_ms(added)} ms", _le(added, 5e-3)))
+        checks.append(
+            ("p99 added inter-token delay <= 5 ms", f"{fmt_ms(added)} ms", _le(added, 5e-3))
+        )
         rss = pylon.get("proxy_peak_rss_bytes")
         checks.append(("peak RSS <= 150 MiB", f"{fmt_mib(rss)} MiB", _le(rss, 150 * MIB)))
     for metric, text in (
@@ -81,7 +85,7 @@ def _le(value: float | int | None, bound: float) -> bool | None:
 
 def paths_table(medians: Mapping[str, Summary]) -> str:
     headers = ["path", "ok", "err", "req/s", "TTFB p50", "TTFB p99", "gap p50", "gap p99"]
-    headers += ["lost", "proxy CPU/req", "CPU/event", "peak RSS", "client CPU"]
+    headers += ["lost", "proxy CPU/req", "CPU/event", "peak RSS", "client CPU", "other CPU"]
     rows = []
     for path, m in medians.items():
         rows.append(
@@ -99,25 +103,31 @@ def paths_table(medians: Mapping[str, Summary]) -> str:
                 fmt_us(m.get("proxy_cpu_per_event_s")),
                 fmt_mib(m.get("proxy_peak_rss_bytes")),
                 fmt_num(m.get("client_cpu_s"), 2),
+                fmt_num(m.get("other_cpu_s"), 2),
             ]
         )
-    units = "times in ms, CPU/event in us, RSS in MiB, client CPU in s; medians over rounds"
+    units = (
+        "times in ms, CPU/req in ms, CPU/event in us, RSS in MiB, CPU in s; medians over rounds;\n"
+        " other CPU: busy time of everything else on the machine during the run"
+    )
     return format_table(headers, rows) + f"\n({units})"
 
 
 def ratios_table(comparison: Summary) -> str:
-    headers = ["metric", "pylon/direct", "pylon/caddy", "caddy/direct"]
-    rows = []
+    pairs = [(PYLON, DIRECT), (PYLON, CADDY), (CADDY, DIRECT)]
+    if any(key.endswith(f" {CANDIDATE}/{PYLON}") for key in comparison):
+        pairs += [(CANDIDATE, DIRECT), (CANDIDATE, PYLON), (CANDIDATE, CADDY)]
+    rows: list[list[str]] = []
     for metric in VS_CADDY:
-        cells = [comparison.get(f"{metric} {a}/{b}") for a, b in _PAIRS]
-        rows.append([metric, *(fmt_ratio(c) for c in cells)])
+        values = [comparison.get(f"{metric} {a}/{b}") for a, b in pairs]
+        rows.append([metric, *(fmt_ratio(v) for v in values)])
     for metric in ADDED:
-        pylon, caddy = (comparison.get(f"added {metric} {p}") for p in (PYLON, CADDY))
-        rows.append([f"added {metric} (ms)", fmt_ms(pylon), "-", fmt_ms(caddy)])
-    return format_table(headers, rows) + "\n(added: path minus direct; caddy/direct column)"
-
-
-_PAIRS = ((PYLON, DIRECT), (PYLON, CADDY), (CADDY, DIRECT))
+        cells = [
+            fmt_ms(comparison.get(f"added {metric} {a}")) if b == DIRECT else "-" for a, b in pairs
+        ]
+        rows.append([f"added {metric} (ms)", *cells])
+    headers = ["metric", *(f"{a}/{b}" for a, b in pairs)]
+    return format_table(headers, rows) + "\n(added: path minus direct, in the x/direct columns)"
 
 
 def targets_table(checks: Sequence[tuple[str, str, bool | None]]) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -20,10 +21,10 @@ from typing import Protocol
 
 import httpx
 
+from bench.h3client import TimedH3Client, open_timed_client
 from bench.sse import StreamObserver
 from bench.stats import Record
 from bench.workloads import RequestSpec
-from tunnel.client import H3Client, client_configuration, open_client
 from tunnel.types import StreamAborted
 
 BODY_CHUNK_BYTES = 64 * 1024
@@ -81,12 +82,12 @@ def _record(
 
 
 class H3Driver:
-    def __init__(self, clients: list[H3Client], authority: str) -> None:
+    def __init__(self, clients: list[TimedH3Client], authority: str) -> None:
         self._clients = clients
         self._authority = authority
         self._next = 0
 
-    def _client(self) -> H3Client:
+    def _client(self) -> TimedH3Client:
         self._next = (self._next + 1) % len(self._clients)
         return self._clients[self._next]
 
@@ -108,7 +109,7 @@ class H3Driver:
                 response = await client.response(stream_id)
                 status = response.status
                 async for chunk in response.chunks():
-                    observer.feed(chunk, time.monotonic())
+                    observer.feed(chunk, client.arrival(stream_id))
         except TimeoutError:
             client.reset_stream(stream_id)
             return _record(spec, request_id, observer, status=status, end_s=None, error="timeout")
@@ -120,7 +121,7 @@ class H3Driver:
         )
 
 
-async def _send_body(client: H3Client, stream_id: int, body: bytes) -> None:
+async def _send_body(client: TimedH3Client, stream_id: int, body: bytes) -> None:
     view = memoryview(body)
     for offset in range(0, len(body), BODY_CHUNK_BYTES):
         end = offset + BODY_CHUNK_BYTES >= len(body)
@@ -129,14 +130,44 @@ async def _send_body(client: H3Client, stream_id: int, body: bytes) -> None:
 
 
 class H1Driver:
-    def __init__(self, client: httpx.AsyncClient, base_url: str) -> None:
-        self._client = client
+    """One single-connection httpx client per request in flight, reused from a free list.
+
+    httpcore's pool rescans every pooled connection (with a readability poll
+    on each) whenever a request starts or ends, so one shared pool of N
+    connections costs O(N) per request and the client, not the server,
+    becomes the bottleneck at a few hundred concurrent streams.
+    """
+
+    def __init__(self, base_url: str) -> None:
         self._base_url = base_url
+        self._tls = ssl.create_default_context()
+        """Shared: each client would otherwise load the CA bundle (~10 ms of CPU)."""
+        self._idle: list[httpx.AsyncClient] = []
+        self.clients: list[httpx.AsyncClient] = []
+
+    def _take(self) -> httpx.AsyncClient:
+        if self._idle:
+            return self._idle.pop()
+        limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
+        client = httpx.AsyncClient(
+            limits=limits, timeout=httpx.Timeout(None), trust_env=False, verify=self._tls
+        )
+        self.clients.append(client)
+        return client
 
     async def send(self, spec: RequestSpec, request_id: str, *, deadline: float) -> Record:
+        client = self._take()
+        try:
+            return await self._send(client, spec, request_id, deadline=deadline)
+        finally:
+            self._idle.append(client)
+
+    async def _send(
+        self, client: httpx.AsyncClient, spec: RequestSpec, request_id: str, *, deadline: float
+    ) -> Record:
         observer = StreamObserver(time.monotonic())
         status: int | None = None
-        request = self._client.build_request(
+        request = client.build_request(
             spec.method,
             self._base_url + spec.path,
             headers=_request_headers(spec, request_id),
@@ -144,7 +175,7 @@ class H1Driver:
         )
         try:
             async with asyncio.timeout_at(deadline):
-                response = await self._client.send(request, stream=True)
+                response = await client.send(request, stream=True)
                 try:
                     status = response.status_code
                     async for chunk in response.aiter_raw():
@@ -156,9 +187,8 @@ class H1Driver:
         except httpx.HTTPError as exc:
             error = type(exc).__name__
             return _record(spec, request_id, observer, status=status, end_s=None, error=error)
-        return _record(
-            spec, request_id, observer, status=status, end_s=time.monotonic(), error=None
-        )
+        end = time.monotonic()
+        return _record(spec, request_id, observer, status=status, end_s=end, error=None)
 
 
 @contextlib.asynccontextmanager
@@ -167,19 +197,15 @@ async def open_driver(
 ) -> AsyncIterator[Driver]:
     """Connected clients for one worker: `connections` QUIC connections, or an httpx pool."""
     if target.protocol == "h1":
-        limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-        async with httpx.AsyncClient(
-            limits=limits, timeout=httpx.Timeout(None), trust_env=False
-        ) as client:
-            yield H1Driver(client, f"http://{target.host}:{target.port}")
+        driver = H1Driver(f"http://{target.host}:{target.port}")
+        try:
+            yield driver
+        finally:
+            await asyncio.gather(*(c.aclose() for c in driver.clients), return_exceptions=True)
         return
     async with contextlib.AsyncExitStack() as stack:
-        clients = []
-        for _ in range(connections):
-            configuration = client_configuration(verify=False)
-            clients.append(
-                await stack.enter_async_context(
-                    open_client(target.host, target.port, configuration=configuration)
-                )
-            )
+        clients = [
+            await stack.enter_async_context(open_timed_client(target.host, target.port))
+            for _ in range(connections)
+        ]
         yield H3Driver(clients, target.authority)

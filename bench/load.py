@@ -50,8 +50,12 @@ class LoadSpec:
     """No request starts after this."""
     drain_s: float = 30.0
     """Requests still running this long after `duration_s` are abandoned."""
+    ramp_s: float = 0.0
+    """Closed loop: spread the first request of each concurrent slot over this long,
+    so a run of streams reaches a steady state instead of starting in lockstep."""
     workers: int = 2
     streams_per_connection: int = 64
+    """QUIC connections per worker = ceil(in-flight / this); quic-go (Caddy) allows 100."""
     run_id: str = "bench"
 
     def __post_init__(self) -> None:
@@ -109,7 +113,7 @@ def run_load(
     workers = spec.effective_workers
     ready, go = ctx.Barrier(workers + 1), ctx.Event()
     start_at = ctx.Value("d", 0.0)
-    done: SynchronizedArray[int] = ctx.Array("q", workers, lock=False)  # type: ignore[assignment]
+    done: SynchronizedArray[int] = ctx.Array("q", workers, lock=False)
     results: Any = ctx.Queue()
     args = (spec, ready, go, start_at, done, results)
     processes = [
@@ -206,10 +210,13 @@ class _Run:
         self.records: list[Record] = []
 
     async def closed(self, concurrency: int) -> list[Record]:
-        await asyncio.gather(*(self._loop() for _ in range(concurrency)))
+        total, workers = self._spec.concurrency or 1, self._spec.effective_workers
+        slots = [self._worker + k * workers for k in range(concurrency)]
+        await asyncio.gather(*(self._loop(slot * self._spec.ramp_s / total) for slot in slots))
         return self.records
 
-    async def _loop(self) -> None:
+    async def _loop(self, delay_s: float) -> None:
+        await asyncio.sleep(delay_s)
         for index in self._indices:
             if time.monotonic() >= self._stop_issuing:
                 return

@@ -7,6 +7,7 @@ the bench still writes every JSON file and says which plots it skipped.
 from __future__ import annotations
 
 import datetime
+import importlib
 import json
 import os
 import platform
@@ -16,6 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from bench.procfs import background_busy_cores
 from bench.progress import note
 from bench.stats import percentile
 
@@ -30,9 +32,17 @@ def results_dir(root: Path | None = None, *, name: str) -> Path:
     return path
 
 
+BUSY_WARNING_CORES = 0.2
+
+
 def machine() -> dict[str, Any]:
+    """The machine, and how busy other work kept it just before the bench started."""
+    busy = background_busy_cores()
+    if busy > BUSY_WARNING_CORES:
+        note(f"warning: other work keeps {busy:.1f} of {os.cpu_count()} cores busy: noisy results")
     return {
         "cpus": os.cpu_count(),
+        "background_busy_cores": round(busy, 2),
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "caddy": _version(["caddy", "version"]),
@@ -66,10 +76,9 @@ def plot(
 ) -> Path | None:
     """Call `draw(pyplot)` and save a PNG, or say why not (matplotlib missing)."""
     try:
-        import matplotlib
-
+        matplotlib: Any = importlib.import_module("matplotlib")
         matplotlib.use("Agg")
-        import matplotlib.pyplot as pyplot
+        pyplot: Any = importlib.import_module("matplotlib.pyplot")
     except ImportError:
         note(f"matplotlib not installed: skipped {path.name} (pip install -e '.[bench]')")
         return None

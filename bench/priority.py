@@ -24,10 +24,11 @@ from typing import Any
 from bench import stack
 from bench.drivers import Target
 from bench.load import LoadSpec, run_load
-from bench.output import machine, plot, results_dir, write_json
+from bench.output import machine, results_dir, write_json
+from bench.plots import priority_plot
 from bench.progress import note
 from bench.queueing import class_stats, priority_table
-from bench.workloads import PriorityClass, parse_classes, priority
+from bench.workloads import PriorityClass, parse_classes, priority, with_headers
 from pylon.devcert import ensure_dev_certificate
 
 BACKENDS = ("dynamo", "vllm", "sglang")
@@ -50,7 +51,9 @@ def policy_name(ceiling: int) -> str:
 class PriorityOptions:
     backends: tuple[str, ...] = BACKENDS
     ceilings: tuple[int, ...] = DEFAULT_CEILINGS
-    classes: tuple[PriorityClass, ...] = field(default_factory=lambda: parse_classes(DEFAULT_CLASSES))
+    classes: tuple[PriorityClass, ...] = field(
+        default_factory=lambda: parse_classes(DEFAULT_CLASSES)
+    )
     slots: int = 4
     tokens: int = 10
     token_delay_ms: float = 20.0
@@ -74,30 +77,49 @@ def run_priority(options: PriorityOptions) -> dict[str, Any]:
         f"results in {out}; engine capacity {options.capacity_rps:.1f} req/s, "
         f"offered {options.rate_rps:.1f} req/s for {options.duration_s:.0f} s"
     )
+    host = machine()
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
-        cert, key = ensure_dev_certificate(Path(tmp) / "cert")
+        tls = ensure_dev_certificate(Path(tmp) / "cert")
+        auth = stack.write_token(Path(tmp))
         for backend in options.backends:
             for ceiling in options.ceilings:
-                runs.append(_one_run(options, out, backend, ceiling, cert=cert, key=key))
-    return _report(options, out, runs)
+                runs.append(_one_run(options, out, backend, ceiling, tls=tls, auth=auth))
+    return _report(options, out, runs, host)
 
 
 def _one_run(
-    options: PriorityOptions, out: Path, backend: str, ceiling: int, *, cert: Path, key: Path
+    options: PriorityOptions,
+    out: Path,
+    backend: str,
+    ceiling: int,
+    *,
+    tls: tuple[Path, Path],
+    auth: tuple[Path, tuple[str, str]],
 ) -> dict[str, Any]:
     policy = policy_name(ceiling)
     extra = ("--priority-ceiling", str(ceiling), *BACKEND_ARGS.get(backend, ()))
-    engine_options = {"tokens": options.tokens, "token_delay_ms": options.token_delay_ms}
     with (
-        stack.engine(out, flavour=backend, slots=options.slots, **engine_options) as engine,
+        stack.engine(
+            out,
+            flavour=backend,
+            slots=options.slots,
+            tokens=options.tokens,
+            token_delay_ms=options.token_delay_ms,
+        ) as engine,
         stack.pylon(
-            out, upstream=engine.url, cert=cert, key=key, backend=backend, extra_args=extra
+            out,
+            upstream=engine.url,
+            cert=tls[0],
+            key=tls[1],
+            token_file=auth[0],
+            backend=backend,
+            extra_args=extra,
         ) as pylon,
     ):
         spec = LoadSpec(
             target=Target("h3", stack.HOST, pylon.port),
-            pattern=priority(options.classes, tokens=options.tokens),
+            pattern=with_headers(priority(options.classes, tokens=options.tokens), [auth[1]]),
             requests=math.ceil(options.rate_rps * options.duration_s),
             rate_rps=options.rate_rps,
             duration_s=options.duration_s,
@@ -112,47 +134,27 @@ def _one_run(
     return {"backend": backend, "policy": policy, "ceiling": ceiling, "classes": rows}
 
 
-def _report(options: PriorityOptions, out: Path, runs: list[dict[str, Any]]) -> dict[str, Any]:
+def _report(
+    options: PriorityOptions, out: Path, runs: list[dict[str, Any]], host: dict[str, Any]
+) -> dict[str, Any]:
     options_json = asdict(options) | {"out_root": str(options.out_root or "")}
     result = {
         "command": ["python", "-m", "bench", *sys.argv[1:]],
         "options": options_json,
         "capacity_rps": options.capacity_rps,
         "offered_rps": options.rate_rps,
-        "machine": machine(),
+        "machine": host,
         "runs": runs,
     }
     write_json(out / "priority.json", result)
     print("\n== priority: per-class queue wait and TTFT under overload ==")
     print(priority_table(runs))
-    size = (5 * len(options.backends), 5)
-    plot(out / "priority_ttft.png", lambda pyplot: _draw(pyplot, options, runs), size=size)
+    priority_plot(
+        out,
+        backends=options.backends,
+        classes=options.classes,
+        runs=runs,
+        cap_s=options.duration_s + options.drain_s,
+    )
     print(f"\nresults: {out}")
     return result
-
-
-def _draw(pyplot: Any, options: PriorityOptions, runs: list[dict[str, Any]]) -> None:
-    """p50 TTFT per class, one panel per backend, one bar per policy; starved bars hatched."""
-    cap_ms = (options.duration_s + options.drain_s) * 1000
-    labels = [c.label for c in options.classes]
-    figure = pyplot.gcf()
-    for index, backend in enumerate(options.backends):
-        axes = figure.add_subplot(1, len(options.backends), index + 1)
-        mine = [r for r in runs if r["backend"] == backend]
-        width = 0.8 / max(len(mine), 1)
-        for offset, run in enumerate(mine):
-            xs = [i + offset * width for i in range(len(labels))]
-            rows = {row["class"]: row for row in run["classes"]}
-            starved = [rows[label]["ttft_p50_starved"] for label in labels]
-            heights = [
-                cap_ms if s else (rows[label]["ttft_p50_s"] or 0) * 1000
-                for label, s in zip(labels, starved, strict=True)
-            ]
-            bars = axes.bar(xs, heights, width, label=run["policy"])
-            for bar, is_starved in zip(bars, starved, strict=True):
-                if is_starved:
-                    bar.set_hatch("//")
-        axes.set_xticks([i + width * (len(mine) - 1) / 2 for i in range(len(labels))], labels)
-        axes.set_title(backend)
-        axes.set_ylabel("p50 TTFT (ms); hatched = starved")
-        axes.legend()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from pathlib import Path
 
 CLOCK_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
@@ -34,6 +35,28 @@ def parse_status_kib(status: str, field: str) -> int | None:
         if sep and name == field:
             return int(value.split()[0])
     return None
+
+
+def parse_busy_ticks(proc_stat: str) -> int:
+    """Busy ticks of all CPUs from /proc/stat's first line: everything but idle and iowait."""
+    fields = proc_stat.splitlines()[0].split()
+    if fields[0] != "cpu":
+        raise ValueError("not /proc/stat")
+    user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, fields[1:9])
+    return user + nice + system + irq + softirq + steal
+
+
+def machine_busy_seconds() -> float:
+    """CPU time the whole machine has spent busy: compared with the processes under
+    test, it shows how much other work shared the cores during a run."""
+    return parse_busy_ticks(Path("/proc/stat").read_text()) / CLOCK_TICKS_PER_S
+
+
+def background_busy_cores(interval_s: float = 1.0) -> float:
+    """How many cores other work keeps busy right now (sampled before a bench starts)."""
+    before = machine_busy_seconds()
+    time.sleep(interval_s)
+    return (machine_busy_seconds() - before) / interval_s
 
 
 def cpu_seconds(pid: int) -> float:

@@ -37,15 +37,20 @@ def class_stats(
 ) -> list[dict[str, Any]]:
     """One row per class, in `labels` order."""
     by_id = {e["x_request_id"]: e for e in engine_requests if e.get("x_request_id")}
-    return [_one_class(label, records, by_id) for label in labels]
+    run_start = min((r.start_s for r in records), default=0.0)
+    return [_one_class(label, records, by_id, run_start) for label in labels]
 
 
 def _one_class(
-    label: str, records: Sequence[Record], by_id: Mapping[str, Mapping[str, Any]]
+    label: str,
+    records: Sequence[Record],
+    by_id: Mapping[str, Mapping[str, Any]],
+    run_start: float,
 ) -> dict[str, Any]:
     mine = [r for r in records if r.label == label]
     seen = [by_id[r.request_id] for r in mine if r.request_id in by_id]
     waits = [_wait(e) for e in seen]
+    starts = [float(e["start_s"]) - run_start for e in seen if e.get("start_s") is not None]
     ttfts = [math.inf if r.ttft_s is None else r.ttft_s for r in mine]
     emitted = sorted({str(e["resolved"]["priority"]) for e in seen if e.get("resolved")})
     return {
@@ -55,6 +60,8 @@ def _one_class(
         "started": sum(1 for w in waits if not math.isinf(w)),
         "completed": sum(1 for r in mine if r.ok),
         "engine_priority": emitted,
+        # when this class last got a slot, in seconds from the run's first request
+        "last_start_s": max(starts, default=None),
         "wait_p50_s": _finite(percentile_inf(waits, 50)),
         "wait_p99_s": _finite(percentile_inf(waits, 99)),
         "ttft_p50_s": _finite(percentile_inf(ttfts, 50)),
@@ -87,10 +94,14 @@ def _cell(row: Mapping[str, Any], key: str) -> str:
     return fmt_ms(value, 0) if value is not None else "-"
 
 
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f} s"
+
+
 def priority_table(runs: Sequence[Mapping[str, Any]]) -> str:
     """runs: {"backend", "policy", "classes": [class_stats rows]}."""
     headers = ["backend", "policy", "class", "engine prio", "sent", "started", "done"]
-    headers += ["wait p50", "wait p99", "TTFT p50", "TTFT p99"]
+    headers += ["last start", "wait p50", "wait p99", "TTFT p50", "TTFT p99"]
     rows = []
     for run in runs:
         for row in run["classes"]:
@@ -103,11 +114,14 @@ def priority_table(runs: Sequence[Mapping[str, Any]]) -> str:
                     str(row["sent"]),
                     str(row["started"]),
                     str(row["completed"]),
+                    _seconds(row["last_start_s"]),
                     _cell(row, "wait_p50"),
                     _cell(row, "wait_p99"),
                     _cell(row, "ttft_p50"),
                     _cell(row, "ttft_p99"),
                 ]
             )
-    note = "(times in ms; wait = engine queue wait; starved = that percentile never got a slot/token)"
+    note = (
+        "(times in ms; wait = engine queue wait; starved = that percentile never got a slot/token)"
+    )
     return format_table(headers, rows) + "\n" + note

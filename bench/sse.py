@@ -22,6 +22,7 @@ class StreamObserver:
         self.first_byte_s: float | None = None
         self.first_event_s: float | None = None
         self.last_event_s: float | None = None
+        self.last_chunk_s: float | None = None
         self.bytes = 0
         self.events = 0
         self.gaps_s: list[float] = []
@@ -32,6 +33,7 @@ class StreamObserver:
             return
         if self.first_byte_s is None:
             self.first_byte_s = now
+        self.last_chunk_s = now
         self.bytes += len(chunk)
         for _ in range(self._complete_events(chunk)):
             self._event(now)

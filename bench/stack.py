@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
 import socket
 import subprocess
@@ -168,18 +169,38 @@ def pylon(
     upstream: str,
     cert: Path,
     key: Path,
+    token_file: Path | None,
     backend: str = "passthrough",
     extra_args: Sequence[str] = (),
     name: str = "pylon",
+    command: Sequence[str] = (),
 ) -> Iterator[Service]:
-    """`pylon serve` on a free UDP port, ready when its /readyz says so."""
+    """`pylon serve` on a free UDP port, ready when its /readyz says so.
+
+    With `token_file`, requests must carry `authorization: Bearer <token>`, as
+    in production; without, Pylon runs with `--insecure-no-auth`. `command`
+    replaces `python -m pylon.cli` (to measure a candidate change without
+    editing Pylon).
+    """
     port, admin_port = free_port(socket.SOCK_DGRAM), free_port()
-    argv = [sys.executable, "-m", "pylon.cli", "serve", "--upstream", upstream]
+    if command and command[0] in ("python", "python3"):
+        command = (sys.executable, *command[1:])  # the bench's interpreter, so the same venv
+    argv = [*(command or (sys.executable, "-m", "pylon.cli")), "serve", "--upstream", upstream]
     argv += ["--cert", str(cert), "--key", str(key), "--backend", backend]
+    argv += ["--token-file", str(token_file)] if token_file else ["--insecure-no-auth"]
     argv += ["--listen", f"{HOST}:{port}", "--admin-listen", f"{HOST}:{admin_port}", *extra_args]
     ready = _http_ok(f"http://{HOST}:{admin_port}/readyz")
     with _running(name, argv, port=port, log_dir=log_dir, ready=ready, env=_python_env()) as s:
         yield s
+
+
+def write_token(directory: Path) -> tuple[Path, tuple[str, str]]:
+    """A fresh bearer token file for Pylon and the header that presents it."""
+    token = secrets.token_urlsafe(32)
+    path = directory / "tokens"
+    path.write_text(token + "\n")
+    path.chmod(0o600)
+    return path, ("authorization", f"Bearer {token}")
 
 
 def caddy_binary() -> str | None:

@@ -126,6 +126,8 @@ def parse_classes(text: str) -> tuple[PriorityClass, ...]:
             classes.append(PriorityClass(f"p{int(level)}", int(level), float(share)))
         else:
             raise ValueError(f"priority {level!r} is not an unsigned integer or 'none'")
+    if any(not c.share > 0 for c in classes):
+        raise ValueError("every class needs a positive share")
     if len({c.label for c in classes}) != len(classes):
         raise ValueError("each priority class may appear once")
     return tuple(classes)

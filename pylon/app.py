@@ -24,6 +24,7 @@ from backends.base import BackendAdapter
 from backends.mock import MockEngine, MockEngineOptions
 from backends.registry import build_adapter
 from pylon.admin import AdminServer, start_admin
+from pylon.auth import Admission, AuthSetupError, TunnelAuth, tunnel_auth_from
 from pylon.config import Settings, split_host_port
 from pylon.devcert import ensure_dev_certificate
 from pylon.forwarder import Forwarder, build_upstream_client
@@ -32,6 +33,7 @@ from pylon.pipeline import PipelineOptions
 from pylon.readiness import PROBE_INTERVAL_S, EngineProbe, Readiness
 from pylon.service import ServiceOptions, TunnelService
 from pylon.tracing import Tracing, TracingUnavailable, build_tracing
+from tunnel.limits import TunnelLimits
 from tunnel.server import TunnelOptions, TunnelServer, start_tunnel
 
 logger = logging.getLogger("pylon")
@@ -138,6 +140,10 @@ async def start_pylon(
     """Start every part; `tracer_provider` lets tests collect spans in memory."""
     registry = registry if registry is not None else CollectorRegistry()
     configuration = quic_configuration(settings)
+    try:
+        auth = tunnel_auth_from(settings)
+    except AuthSetupError as exc:
+        raise StartupError(str(exc)) from exc
     async with contextlib.AsyncExitStack() as stack:  # unwinds only if start-up fails
         mock_engine, upstream_url = await _start_mock_if_needed(settings)
         if mock_engine is not None:
@@ -157,9 +163,14 @@ async def start_pylon(
         except TracingUnavailable as exc:
             raise StartupError(str(exc)) from exc
         service = _build_service(
-            settings, adapter=adapter, forwarder=forwarder, metrics=metrics, tracing=tracing
+            settings,
+            adapter=adapter,
+            forwarder=forwarder,
+            metrics=metrics,
+            tracing=tracing,
+            auth=auth,
         )
-        tunnel = await _start_listener(settings, configuration, service)
+        tunnel = await _start_listener(settings, configuration, service, auth=auth, metrics=metrics)
         stack.callback(tunnel.close)
         readiness = Readiness(listener_up=True)
         stack.callback(_mark_listener_down, readiness)
@@ -192,6 +203,7 @@ def _build_service(
     forwarder: Forwarder,
     metrics: Metrics,
     tracing: Tracing | None,
+    auth: TunnelAuth,
 ) -> TunnelService:
     return TunnelService(
         adapter=adapter,
@@ -201,9 +213,14 @@ def _build_service(
                 policy=settings.priority,
                 derive_priority=settings.derive_priority,
                 extra_health_paths=frozenset(settings.health_paths),
+                allowed_headers=settings.security.header_allowlist(),
             ),
             max_body_bytes=settings.limits.max_body_bytes,
             total_timeout_s=settings.upstream.total_timeout_s,
+            admission=Admission(
+                max_header_bytes=settings.limits.max_header_bytes, tokens=auth.tokens
+            ),
+            body_idle_timeout_s=settings.limits.request_body_idle_timeout_s,
         ),
         metrics=metrics,
         tracing=tracing,
@@ -211,9 +228,15 @@ def _build_service(
 
 
 async def _start_listener(
-    settings: Settings, configuration: QuicConfiguration, service: TunnelService
+    settings: Settings,
+    configuration: QuicConfiguration,
+    service: TunnelService,
+    *,
+    auth: TunnelAuth,
+    metrics: Metrics,
 ) -> TunnelServer:
     host, port = split_host_port(settings.listen)
+    limits = settings.limits
     return await start_tunnel(
         host=host,
         port=port,
@@ -223,6 +246,16 @@ async def _start_listener(
             max_queued_bytes_per_stream=settings.limits.max_queued_response_bytes,
             request_window_bytes=settings.limits.request_window_bytes,
             ping_interval_s=settings.quic_ping_interval_s or None,
+            limits=TunnelLimits(
+                max_connections=limits.max_connections,
+                max_streams_per_connection=limits.max_streams_per_connection,
+                max_streams_total=limits.max_streams_total,
+                # Twice the decoded limit: encoded sizes up to it still get a 431.
+                max_header_frame_bytes=2 * limits.max_header_bytes,
+            ),
+            client_auth=auth.client,
+            on_connection_refused=metrics.connection_refused,
+            on_stream_refused=metrics.request_rejected,
         ),
     )
 

@@ -6,6 +6,11 @@
     │   ├── BodyInvalid             400 body must be sanitized but is not a JSON object
     │   ├── RouteNotAllowed         404 route not on the backend's allow-list
     │   ├── BodyTooLarge            413 body over limits.max_body_bytes
+    │   ├── Unauthorized            401 missing or unaccepted bearer token
+    │   ├── BodyIdleTimeout         408 no body bytes in time (a reset once the engine saw some)
+    │   ├── HeaderTooLarge          431 header section over limits.max_header_bytes
+    │   ├── ConnectionStreamLimit   503 too many requests on this connection (retry elsewhere)
+    │   ├── TotalStreamLimit        503 too many requests on this node (retry elsewhere)
     │   └── Draining                503 Pylon is shutting down (retry elsewhere)
     └── UpstreamError               the engine side failed
         ├── UpstreamUnreachable     502 connect refused/unreachable (nothing sent: retry-safe)
@@ -71,6 +76,44 @@ class RouteNotAllowed(RequestRejected):
 class BodyTooLarge(RequestRejected):
     status = 413
     code = "body_too_large"
+
+
+class Unauthorized(RequestRejected):
+    status = 401
+    error_type = "authentication_error"
+    code = "unauthorized"
+
+    def headers(self) -> tuple[tuple[bytes, bytes], ...]:
+        return (*super().headers(), (b"www-authenticate", b"Bearer"))
+
+
+class BodyIdleTimeout(RequestRejected):
+    """The gateway stopped sending the body: 408, or a stream reset once the
+    engine has seen part of the request (a partial request must not look whole)."""
+
+    status = 408
+    code = "body_idle_timeout"
+
+    def __init__(self, message: str, *, upstream_started: bool) -> None:
+        super().__init__(message)
+        self.upstream_started = upstream_started
+
+
+class HeaderTooLarge(RequestRejected):
+    status = 431
+    code = "header_too_large"
+
+
+class ConnectionStreamLimit(RequestRejected):
+    status = 503
+    error_type = "service_unavailable"
+    code = "connection_stream_limit"
+
+
+class TotalStreamLimit(RequestRejected):
+    status = 503
+    error_type = "service_unavailable"
+    code = "total_stream_limit"
 
 
 class Draining(RequestRejected):

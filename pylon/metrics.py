@@ -19,6 +19,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from backends.base import BackendAdapter, RouteClass, dotted, prefix_pattern
 from pylon.pipeline import Derivation
 from pylon.readiness import ProbeResult
+from tunnel.server import CONNECTION_LIMIT
+from tunnel.tls import Refusal
 
 LATENCY_BUCKETS_S: tuple[float, ...] = (
     *(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5),
@@ -42,7 +44,13 @@ REJECT_REASONS = (
     "body_too_large",
     "malformed_request",
     "draining",
+    "unauthorized",
+    "header_too_large",
+    "connection_stream_limit",
+    "total_stream_limit",
+    "body_idle_timeout",
 )
+CONNECTION_REFUSALS = (CONNECTION_LIMIT, *(refusal.value for refusal in Refusal))
 UPSTREAM_ERROR_KINDS = ("connect", "not_ready", "timeout", "reset", "protocol")
 CANCELLERS = ("gateway", "engine", "timeout", "drain", "limit")
 STRIP_KINDS = ("header", "body")
@@ -172,6 +180,11 @@ class Metrics:
         self.engine_probes = self._counter(
             "pylon_engine_probes_total", "Engine health probes, by result.", "result"
         )
+        self.connections_refused = self._counter(
+            "pylon_connections_refused_total",
+            "Tunnel connections refused before any request was served, by reason.",
+            "reason",
+        )
 
     def _precreate(self) -> None:
         backend = self.backend
@@ -186,6 +199,7 @@ class Metrics:
             (self.upstream_errors, UPSTREAM_ERROR_KINDS),
             (self.cancellations, CANCELLERS),
             (self.engine_probes, PROBE_RESULTS),
+            (self.connections_refused, CONNECTION_REFUSALS),
         ]
         for counter, values in labelled:
             for value in values:
@@ -240,6 +254,9 @@ class Metrics:
 
     def request_rejected(self, reason: str) -> None:
         self.rejected.labels(self.backend, bounded(reason, REJECT_REASONS)).inc()
+
+    def connection_refused(self, reason: str) -> None:
+        self.connections_refused.labels(self.backend, bounded(reason, CONNECTION_REFUSALS)).inc()
 
     def upstream_failed(self, kind: str) -> None:
         self.upstream_errors.labels(self.backend, bounded(kind, UPSTREAM_ERROR_KINDS)).inc()

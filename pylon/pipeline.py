@@ -1,14 +1,16 @@
 """The request pipeline's pure core: validate, sanitize, derive, plan.
 
 A tunnel request head becomes a `RequestPlan`: the route's class, the parsed
-tunnel headers, the headers that may reach the engine (hop-by-hop, tunnel-only
-and every deny-listed name removed; Pylon's derived headers and the one
-validated x-request-id added), and what to do with the body. No I/O here:
-the service edge reads bodies and calls `sanitize_body` when the plan says so.
+tunnel headers, the headers that may reach the engine (hop-by-hop, tunnel-only,
+the tunnel credential and every deny-listed name removed; in allowlist mode
+only allowed names kept; Pylon's derived headers and the one validated
+x-request-id added), and what to do with the body. No I/O here: the service
+edge reads bodies and calls `sanitize_body` when the plan says so.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -24,6 +26,13 @@ from pylon.tunnel_headers import (
     strip_tunnel_headers,
 )
 from tunnel.types import RequestHead
+
+CREDENTIAL_HEADERS = frozenset({b"authorization"})
+"""The tunnel's bearer token: checked by Pylon, never forwarded, whatever the config."""
+
+FIELD_OVERHEAD_BYTES = 32
+"""RFC 9114 §4.2.2 sizes a field section as HTTP/2 does: name + value + 32 per
+field, so a flood of tiny fields counts too."""
 
 
 class Derivation(StrEnum):
@@ -41,6 +50,9 @@ class PipelineOptions:
     policy: PriorityPolicy
     derive_priority: bool
     extra_health_paths: frozenset[str] = frozenset()
+    allowed_headers: frozenset[bytes] | None = None
+    """Allowlist mode: only these (lowercase) inbound names are forwarded; None
+    (denylist mode) forwards every name the deny-lists leave."""
 
 
 @dataclass(frozen=True)
@@ -81,8 +93,10 @@ def plan_request(
     is_health = route_class is RouteClass.HEALTH
     tunnel = parse_tunnel_headers(head.headers, require_request_id=not is_health)
     derivation, derived = _derive(adapter, route_class, tunnel, options)
-    sanitized = strip_headers(adapter, strip_tunnel_headers(strip_hop_by_hop(head.headers)))
-    headers = [*sanitized.headers, *derived.headers]
+    inbound = strip_credentials(strip_tunnel_headers(strip_hop_by_hop(head.headers)))
+    sanitized = strip_headers(adapter, inbound)
+    forwarded = apply_header_policy(sanitized.headers, options.allowed_headers)
+    headers = [*forwarded, *derived.headers]
     if tunnel.request_id is not None:
         headers.append((REQUEST_ID, tunnel.request_id.encode("ascii")))
     return RequestPlan(
@@ -94,6 +108,29 @@ def plan_request(
         derivation=derivation,
         rewrite_body=adapter.rewrites_body(route_class),
     )
+
+
+def strip_credentials(headers: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    return [(name, value) for name, value in headers if name.lower() not in CREDENTIAL_HEADERS]
+
+
+def apply_header_policy(
+    headers: Iterable[tuple[bytes, bytes]], allowed: frozenset[bytes] | None
+) -> list[tuple[bytes, bytes]]:
+    """Allowlist mode keeps only allowed names; denylist mode (None) keeps all."""
+    if allowed is None:
+        return list(headers)
+    return [(name, value) for name, value in headers if name.lower() in allowed]
+
+
+def header_section_size(head: RequestHead) -> int:
+    """The request head's size as RFC 9114 §4.2.2 counts it, pseudo-headers included."""
+    pseudo = [(":method", head.method), (":scheme", head.scheme), (":path", head.path)]
+    if head.authority:
+        pseudo.append((":authority", head.authority))
+    fields = [(len(name), len(value)) for name, value in pseudo]
+    fields += [(len(name), len(value)) for name, value in head.headers]
+    return sum(name + value + FIELD_OVERHEAD_BYTES for name, value in fields)
 
 
 def _derive(

@@ -15,13 +15,15 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from aioquic.h3.connection import ErrorCode
 
 from backends.base import BackendAdapter
+from pylon.auth import Admission
 from pylon.errors import (
+    BodyIdleTimeout,
     BodyTooLarge,
     Draining,
     PylonError,
@@ -88,6 +90,10 @@ class ServiceOptions:
     pipeline: PipelineOptions
     max_body_bytes: int
     total_timeout_s: float | None
+    admission: Admission = field(default_factory=Admission)
+    """Concurrency limits, header size and the bearer token, checked before planning."""
+    body_idle_timeout_s: float | None = None
+    """Longest wait for the next request body bytes (408, or a reset once forwarding)."""
 
 
 class TunnelService:
@@ -142,6 +148,7 @@ class TunnelService:
         try:
             if self.draining:
                 raise Draining("Pylon is draining; retry on another node")
+            self._options.admission.check(stream)
             async with asyncio.timeout(self._options.total_timeout_s):
                 await self._serve(stream, exchange)
         except TimeoutError:
@@ -199,7 +206,7 @@ class TunnelService:
         if declared is not None and declared > limit:
             raise BodyTooLarge(f"request body of {declared} bytes exceeds {limit}")
         if plan.rewrite_body:
-            raw = await _read_bounded(stream, limit)
+            raw = await _read_bounded(stream, limit, self._options.body_idle_timeout_s)
             body, stripped = sanitize_body(self._adapter, plan, raw)
             self._metrics.inputs_stripped("body", stripped)
             exchange.request_bytes = len(body)
@@ -211,7 +218,8 @@ class TunnelService:
     async def _stream_bounded(
         self, stream: TunnelStream, exchange: Exchange, limit: int
     ) -> AsyncIterator[bytes]:
-        async for chunk in stream.body_chunks():
+        idle_s = self._options.body_idle_timeout_s
+        async for chunk in _body_chunks(stream, idle_s, upstream_started=True):
             exchange.request_bytes += len(chunk)
             if exchange.request_bytes > limit:
                 raise BodyTooLarge(f"request body exceeds {limit} bytes")
@@ -234,10 +242,11 @@ class TunnelService:
             self._metrics.request_rejected(error.code)
         elif isinstance(error, UpstreamError):
             self._metrics.upstream_failed(error.kind)
-        if stream.head_sent:
+        reset_code = _reset_code(stream, error)
+        if reset_code is not None:
             exchange.cancelled_by = cancelled_by(error)
             exchange.status = None
-            stream.reset(ErrorCode.H3_INTERNAL_ERROR)
+            stream.reset(reset_code)
             return
         exchange.status = error.status
         headers = list(error.headers())
@@ -285,10 +294,33 @@ def _declared_length(stream: TunnelStream) -> int | None:
     return None
 
 
-async def _read_bounded(stream: TunnelStream, limit: int) -> bytes:
+async def _body_chunks(
+    stream: TunnelStream, idle_s: float | None, *, upstream_started: bool
+) -> AsyncIterator[bytes]:
+    """The request body; BodyIdleTimeout once the gateway sends nothing for `idle_s`."""
+    while True:
+        try:
+            async with asyncio.timeout(idle_s):
+                chunk = await stream.receive()
+        except TimeoutError:
+            message = f"no request body bytes for {idle_s} s"
+            raise BodyIdleTimeout(message, upstream_started=upstream_started) from None
+        if not chunk:
+            return
+        yield chunk
+
+
+def _reset_code(stream: TunnelStream, error: PylonError) -> int | None:
+    """The reset for a stream that must not get a clean error answer, else None."""
+    if isinstance(error, BodyIdleTimeout) and error.upstream_started:
+        return ErrorCode.H3_REQUEST_INCOMPLETE  # the engine saw part of the request
+    return ErrorCode.H3_INTERNAL_ERROR if stream.head_sent else None
+
+
+async def _read_bounded(stream: TunnelStream, limit: int, idle_s: float | None) -> bytes:
     chunks: list[bytes] = []
     size = 0
-    async for chunk in stream.body_chunks():
+    async for chunk in _body_chunks(stream, idle_s, upstream_started=False):
         size += len(chunk)
         if size > limit:
             raise BodyTooLarge(f"request body exceeds {limit} bytes")

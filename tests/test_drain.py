@@ -33,6 +33,7 @@ async def _start_pylon(
         "-m",
         "pylon.cli",
         "serve",
+        "--insecure-no-auth",
         "--listen",
         "127.0.0.1:0",
         "--admin-listen",

@@ -6,7 +6,8 @@ application handler in its own task. Peer resets cancel that task; a task that
 fails after the response started resets the stream. Transmits are coalesced
 to once per event-loop pass, because one send per SSE token costs several
 times the CPU. Per-stream state is freed when a stream ends, since a tunnel
-connection lives for days.
+connection lives for days; a connection silent for `ping_interval_s` gets a
+keep-alive PING, so NAT state survives a quiet spell and a dead peer is found.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from aioquic.asyncio.protocol import QuicConnectionProtocol
@@ -35,16 +36,36 @@ from aioquic.quic.events import (
     ProtocolNegotiated,
     QuicEvent,
     StopSendingReceived,
+    StreamDataReceived,
     StreamReset,
 )
 
 from tunnel.flow import ConsumptionCredit, unacked_send_bytes
 from tunnel.h3 import RequestMalformed, TunnelH3Connection
+from tunnel.limits import (
+    BoundedH3Connection,
+    TunnelLimits,
+    grant_peer_streams,
+    oversized_header_frame,
+    refuse_connection,
+    stream_over_limit,
+)
 from tunnel.stream import Handler, TunnelStream
+from tunnel.tls import ClientAuth, peer_identity, require_client_certificate
 from tunnel.types import HeaderList, MalformedRequest
 from tunnel.validation import parse_request_head
 
 logger = logging.getLogger(__name__)
+
+CONNECTION_LIMIT = "connection_limit"
+"""Refusal reason: a connection over `TunnelLimits.max_connections`."""
+HEADER_TOO_LARGE = "header_too_large"
+"""Refusal reason: a HEADERS frame over `TunnelLimits.max_header_frame_bytes`."""
+
+
+def _ignore(reason: str) -> None:
+    pass
+
 
 KEEPALIVE_PING_UID = 0
 """aioquic reports PING acknowledgements by uid; `ping()` waiters use id() values, never 0."""
@@ -58,6 +79,14 @@ class TunnelOptions:
     """Request body bytes the peer may send ahead of what the handler has read."""
     ping_interval_s: float | None = None
     """PING a connection that has been silent this long (None: never)."""
+    limits: TunnelLimits = field(default_factory=TunnelLimits)
+    """Connections, concurrent streams and header frames (see `tunnel.limits`)."""
+    client_auth: ClientAuth | None = None
+    """Require a client certificate from this CA (mTLS); None accepts any client."""
+    on_connection_refused: Callable[[str], None] = _ignore
+    """Told the reason (a `Refusal` value or CONNECTION_LIMIT) of each refused connection."""
+    on_stream_refused: Callable[[str], None] = _ignore
+    """Told the reason of each request stream the tunnel itself refused (HEADER_TOO_LARGE)."""
 
 
 class TunnelProtocol(QuicConnectionProtocol):
@@ -83,13 +112,27 @@ class TunnelProtocol(QuicConnectionProtocol):
         """When a datagram last arrived or a keep-alive PING last left."""
         self._keepalive: asyncio.TimerHandle | None = None
         self.keepalive_pings_sent = 0
-        registry.opened(self)
+        limits = options.limits
+        self._refused = limits.max_connections is not None and (
+            len(registry.connections) >= limits.max_connections
+        )
+        """Over the connection limit: closed as soon as the first datagram set up keys."""
+        if not self._refused:
+            registry.opened(self)
+        grant_peer_streams(self._quic, limits)
+        if options.client_auth is not None:
+            require_client_certificate(
+                self._quic, options.client_auth, on_refused=options.on_connection_refused
+            )
 
     # --- network side ---------------------------------------------------------------
 
     def datagram_received(self, data: bytes | str, addr: Any) -> None:
         self._quiet_since = self._loop.time()
         self._quic.receive_datagram(data, addr, now=self._quiet_since)  # type: ignore[arg-type]
+        if self._refused and self._quic._close_event is None:
+            refuse_connection(self._quic, "too many tunnel connections")
+            self._options.on_connection_refused(CONNECTION_LIMIT)
         self._process_events()
         for stream in self.streams.values():
             stream.wake_if_drained()
@@ -97,11 +140,13 @@ class TunnelProtocol(QuicConnectionProtocol):
 
     def quic_event_received(self, event: QuicEvent) -> None:
         if isinstance(event, ProtocolNegotiated) and event.alpn_protocol in H3_ALPN:
-            self._h3 = TunnelH3Connection(self._quic)
+            self._h3 = BoundedH3Connection(self._quic)
             if self._registry.draining:
                 self.send_goaway()
         elif isinstance(event, HandshakeCompleted):
             self._schedule_keepalive()
+            if self._options.client_auth is not None:
+                logger.info("tunnel peer authenticated as %s", peer_identity(self._quic))
         elif isinstance(event, StreamReset | StopSendingReceived):
             self._abort_stream(event.stream_id, event.error_code)
         elif isinstance(event, ConnectionTerminated):
@@ -112,6 +157,8 @@ class TunnelProtocol(QuicConnectionProtocol):
         if self._h3 is not None:
             for h3_event in self._h3.handle_event(event):
                 self._h3_event_received(h3_event)
+            if isinstance(event, StreamDataReceived):
+                self._refuse_oversized_head(self._h3, event.stream_id)
 
     def _h3_event_received(self, event: H3Event) -> None:
         if isinstance(event, HeadersReceived):
@@ -143,12 +190,27 @@ class TunnelProtocol(QuicConnectionProtocol):
             head=head,
             owner=self,
             max_queued_bytes=self._options.max_queued_bytes_per_stream,
+            over_limit=stream_over_limit(
+                self._options.limits,
+                on_connection=len(self.streams),
+                in_total=self._registry.active_streams(),
+            ),
         )
         self._credit.track(stream_id)
         stream.feed(b"", end=ended)
         self.streams[stream_id] = stream
         task = asyncio.ensure_future(self._run_handler(stream))
         self._tasks[stream_id] = task
+
+    def _refuse_oversized_head(self, h3: TunnelH3Connection, stream_id: int) -> None:
+        """Reset a stream whose HEADERS frame is too large to buffer (see `tunnel.limits`)."""
+        if not oversized_header_frame(h3, stream_id, self._options.limits.max_header_frame_bytes):
+            return
+        logger.info("header frame over the limit on stream %d", stream_id)
+        self._abort_stream(stream_id, ErrorCode.H3_MESSAGE_ERROR)  # trailers on a served stream
+        h3._fail_stream(stream_id, end_stream=h3._stream[stream_id].receiving_ended)
+        self._options.on_stream_refused(HEADER_TOO_LARGE)
+        self._transmit_soon()
 
     def _reject_malformed(self, stream_id: int, *, ended: bool) -> None:
         assert self._h3 is not None

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
+from enum import StrEnum
 from typing import Protocol
 
 from aioquic.h3.connection import ErrorCode
@@ -30,6 +31,13 @@ class StreamOwner(Protocol):
     def stream_consumed(self, stream_id: int, byte_count: int) -> None: ...
 
 
+class StreamLimit(StrEnum):
+    """A concurrency limit a new stream arrived over; the handler must refuse it."""
+
+    PER_CONNECTION = "per_connection"
+    TOTAL = "total"
+
+
 class TunnelStream:
     def __init__(
         self,
@@ -38,9 +46,12 @@ class TunnelStream:
         head: RequestHead,
         owner: StreamOwner,
         max_queued_bytes: int,
+        over_limit: StreamLimit | None = None,
     ) -> None:
         self.stream_id = stream_id
         self.head = head
+        self.over_limit = over_limit
+        """Set when the stream arrived over a concurrency limit (answer it, don't serve it)."""
         self._owner = owner
         self._max_queued_bytes = max_queued_bytes
         self._chunks: deque[bytes] = deque()

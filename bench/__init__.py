@@ -1,0 +1,10 @@
+"""Pylon's benchmarks (issue 7): a multi-process HTTP/3 load generator, direct vs
+Pylon vs Caddy comparisons, and per-class priority behaviour under overload.
+
+Run `python -m bench --help`; what the numbers mean is in docs/performance.md.
+Pure helpers (`stats`, `sse`, `table`, `workloads`, `queueing`, `compare_report`,
+`caddy`, the parsers in `procfs`) are separate from the I/O (`load`, `drivers`,
+`stack`, `output`, `compare`, `priority`).
+"""
+
+__all__ = ["compare", "load", "priority"]

@@ -1,0 +1,313 @@
+"""The bench machinery: pure helpers by table, then tiny real runs (no timing asserted).
+
+The smoke tests start a real mock engine, Pylon and (when installed) Caddy as
+subprocesses and push a handful of requests through each path, checking the
+shape and counts of what the bench writes, never how fast anything was.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench import compare_report, procfs, queueing, stack
+from bench.caddy import caddyfile
+from bench.compare import CompareOptions, run_compare
+from bench.output import cdf
+from bench.priority import PriorityOptions, run_priority
+from bench.sse import StreamObserver
+from bench.stats import Record, difference, median, median_summary, percentile, ratio, summarize
+from bench.table import fmt_mib, fmt_ms, fmt_ratio, format_table
+from bench.workloads import interleave, parse_classes, priority, small, stream, with_headers
+from tests.harness import in_ci
+
+
+@pytest.mark.parametrize(
+    ("values", "q", "expected"),
+    [
+        ([], 50, None),
+        ([5.0], 0, 5.0),
+        ([5.0], 99, 5.0),
+        ([1.0, 2.0, 3.0, 4.0], 50, 2.5),
+        ([4.0, 1.0, 3.0, 2.0], 0, 1.0),
+        ([1.0, 2.0, 3.0, 4.0], 100, 4.0),
+        ([0.0, 10.0], 99, 9.9),
+        (list(map(float, range(101))), 99, 99.0),
+    ],
+)
+def test_percentile(values: list[float], q: float, expected: float | None) -> None:
+    result = percentile(values, q)
+    assert result == (None if expected is None else pytest.approx(expected))
+
+
+def test_percentile_rejects_out_of_range() -> None:
+    with pytest.raises(ValueError):
+        percentile([1.0], 101)
+
+
+@pytest.mark.parametrize(
+    ("num", "den", "expected"),
+    [(1.0, 2.0, 0.5), (None, 2.0, None), (1.0, None, None), (1.0, 0.0, None), (0.0, 4.0, 0.0)],
+)
+def test_ratio(num: float | None, den: float | None, expected: float | None) -> None:
+    assert ratio(num, den) == expected
+
+
+@pytest.mark.parametrize(
+    ("values", "expected"),
+    [([], None), ([None, None], None), ([3, None, 1, 2], 2.0), ([1, 2], 1.5)],
+)
+def test_median_skips_missing(values: list[float | None], expected: float | None) -> None:
+    assert median(values) == expected
+
+
+def test_difference_and_median_summary() -> None:
+    assert difference(3.0, 1.0) == 2.0
+    assert difference(None, 1.0) is None
+    rounds: list[dict[str, Any]] = [{"a": 1.0, "b": None, "c": "x"}, {"a": 3.0, "b": 2.0, "c": "y"}]
+    assert median_summary(rounds) == {"a": 2.0, "b": 2.0}
+
+
+def _record(
+    label: str = "all", *, request_id: str = "r", status: int | None = 200, **fields: Any
+) -> Record:
+    return Record(label=label, request_id=request_id, start_s=0.0, status=status, **fields)
+
+
+def test_summarize_counts_errors_and_lost_events() -> None:
+    records = [
+        _record(ttfb_s=0.01, total_s=0.1, events=4, expected_events=4, gaps_s=(0.02, 0.02, 0.04)),
+        _record(ttfb_s=0.03, total_s=0.2, events=2, expected_events=4, gaps_s=(0.02,)),
+        _record(status=None, error="timeout", expected_events=4),
+        _record(status=503),
+    ]
+    summary = summarize(records, wall_s=2.0)
+    assert summary["requests"] == 4
+    assert summary["ok"] == 2
+    assert summary["errors"] == 2
+    assert summary["throughput_rps"] == 1.0
+    assert summary["lost_events"] == 2 + 4
+    assert summary["ttfb_p50_s"] == pytest.approx(0.02)
+    assert summary["gap_p50_s"] == pytest.approx(0.02)
+
+
+@pytest.mark.parametrize(
+    ("chunks", "events", "gaps"),
+    [
+        ([b"data: a\n\n"], 1, []),
+        ([b"data: a\n\ndata: b\n\n"], 2, [0.0]),
+        ([b"data: a\n", b"\ndata: b", b"\n\n"], 2, [1.0]),
+        ([b": keep-alive\n\n", b"data: a\n\n"], 1, []),
+        ([b"event: x\ndata: {}\n\n", b"data: [DONE]\n\n"], 2, [1.0]),
+        ([b'{"plain": "json"}'], 0, []),
+    ],
+)
+def test_stream_observer(chunks: list[bytes], events: int, gaps: list[float]) -> None:
+    observer = StreamObserver(start_s=10.0)
+    for index, chunk in enumerate(chunks):
+        observer.feed(chunk, now=11.0 + index)
+    assert observer.events == events
+    assert observer.gaps_s == pytest.approx(gaps)
+    assert observer.ttfb_s == 1.0
+    assert observer.bytes == sum(map(len, chunks))
+
+
+def test_interleave_honours_shares_and_spreads_classes() -> None:
+    picks = interleave([("a", 0.5), ("b", 0.25), ("c", 0.25)], 100)
+    assert (picks.count("a"), picks.count("b"), picks.count("c")) == (50, 25, 25)
+    assert all(picks[i : i + 4].count("a") == 2 for i in range(0, 100, 4))
+
+
+@pytest.mark.parametrize("text", ["", "0", "x:1", "0:1,0:2", "0:0"])
+def test_parse_classes_rejects(text: str) -> None:
+    with pytest.raises(ValueError):
+        parse_classes(text)
+
+
+def test_priority_pattern_sets_x_priority_only_for_configured_classes() -> None:
+    classes = parse_classes("0:0.5,none:0.5")
+    assert [(c.label, c.priority) for c in classes] == [("p0", 0), ("unconfigured", None)]
+    pattern = with_headers(priority(classes, tokens=3), [("authorization", "Bearer t")])
+    by_label = {spec.label: dict(spec.headers) for spec in pattern}
+    assert by_label["p0"]["x-priority"] == "0"
+    assert "x-priority" not in by_label["unconfigured"]
+    assert all(spec.expected_events == 5 for spec in pattern)
+    assert stream(tokens=7)[0].expected_events == 9
+    assert small()[0].expected_events is None
+
+
+def test_format_table_aligns_columns() -> None:
+    text = format_table(["path", "req/s"], [["direct", "10.0"], ["pylon", "5.25"]])
+    assert text.splitlines() == [
+        "path    req/s",
+        "------  -----",
+        "direct   10.0",
+        "pylon    5.25",
+    ]
+    with pytest.raises(ValueError):
+        format_table(["a", "b"], [["only one"]])
+
+
+@pytest.mark.parametrize(
+    ("cell", "expected"),
+    [
+        (fmt_ms(0.0012), "1.20"),
+        (fmt_ms(None), "-"),
+        (fmt_ratio(1.5), "1.50x"),
+        (fmt_mib(3 << 20), "3.0"),
+    ],
+)
+def test_formatters(cell: str, expected: str) -> None:
+    assert cell == expected
+
+
+STAT = "4242 (my (odd) name) S 1 2 3 4 5 6 7 8 9 10 250 50 0 0 20 0 1 0 100 0 0"
+
+
+def test_procfs_parsers() -> None:
+    assert procfs.parse_stat_ticks(STAT) == 300
+    status = "Name:\tpylon\nVmPeak:\t  9000 kB\nVmHWM:\t  1234 kB\nVmRSS:\t  1000 kB\n"
+    assert procfs.parse_status_kib(status, "VmHWM") == 1234
+    assert procfs.parse_status_kib(status, "VmSwap") is None
+    proc_stat = "cpu  100 5 50 9000 40 3 2 1 0 0\ncpu0 50 2 25 4500 20 1 1 0 0 0\n"
+    assert procfs.parse_busy_ticks(proc_stat) == 100 + 5 + 50 + 3 + 2 + 1
+
+
+def test_cdf_is_monotonic() -> None:
+    xs, ys = cdf([3.0, 1.0, 2.0], points=5)
+    assert xs == sorted(xs) and xs[0] == 1.0 and xs[-1] == 3.0
+    assert ys[0] == 0.0 and ys[-1] == 1.0
+    assert cdf([]) == ([], [])
+
+
+def _paths(direct: float, pylon: float, caddy: float) -> dict[str, dict[str, float | None]]:
+    def one(ttfb: float, cpu: float | None) -> dict[str, float | None]:
+        metrics: dict[str, float | None] = dict.fromkeys(compare_report.VS_CADDY, None)
+        metrics |= dict.fromkeys(compare_report.ADDED, None)
+        return metrics | {"ttfb_p50_s": ttfb, "throughput_rps": 1 / ttfb, "proxy_cpu_s": cpu}
+
+    return {"direct": one(direct, None), "pylon": one(pylon, 2.0), "caddy": one(caddy, 1.0)}
+
+
+def test_comparisons_are_per_round_medians() -> None:
+    rounds = [_paths(0.001, 0.003, 0.002), _paths(0.002, 0.005, 0.003)]
+    comparison = compare_report.median_comparison(rounds)
+    assert comparison["added ttfb_p50_s pylon"] == pytest.approx(0.0025)
+    assert comparison["ttfb_p50_s pylon/direct"] == pytest.approx((3 + 2.5) / 2)
+    assert comparison["ttfb_p50_s pylon/caddy"] == pytest.approx((1.5 + 5 / 3) / 2)
+    checks = compare_report.target_checks("small", {}, comparison)
+    assert checks[0][0].startswith("added p50 TTFB") and checks[0][2] is False
+    assert "pylon/direct" in compare_report.ratios_table(comparison)
+
+
+def test_class_stats_counts_never_started_as_starved() -> None:
+    records = [
+        _record("p0", request_id="a", ttft_s=0.5),
+        _record("p0", request_id="b", ttft_s=1.5),
+        _record("unconfigured", request_id="c", status=None, error="timeout"),
+    ]
+    engine = [
+        {"x_request_id": "a", "arrival_s": 1.0, "start_s": 1.25, "resolved": {"priority": 1000}},
+        {"x_request_id": "b", "arrival_s": 1.0, "start_s": 2.0, "resolved": {"priority": 1000}},
+        {"x_request_id": "c", "arrival_s": 1.0, "start_s": None, "resolved": {"priority": 0}},
+    ]
+    p0, unconfigured = queueing.class_stats(records, engine, ["p0", "unconfigured"])
+    assert (p0["sent"], p0["started"], p0["engine_priority"]) == (2, 2, ["1000"])
+    assert p0["wait_p50_s"] == pytest.approx(0.625)
+    assert p0["ttft_p50_s"] == pytest.approx(1.0)
+    assert p0["last_start_s"] == pytest.approx(2.0)
+    assert unconfigured["started"] == 0 and unconfigured["last_start_s"] is None
+    assert unconfigured["ttft_p50_s"] is None and unconfigured["ttft_p50_starved"]
+    run = {"backend": "dynamo", "policy": "ceiling=1000", "classes": [p0, unconfigured]}
+    assert queueing.STARVED in queueing.priority_table([run])
+    assert queueing.percentile_inf([1.0, math.inf], 50) == math.inf
+
+
+def _require_caddy() -> str:
+    binary = stack.caddy_binary()
+    if binary is None:
+        if in_ci():
+            pytest.fail("caddy is required in CI (apt-get install -y caddy)")
+        pytest.skip("caddy not installed")
+    return binary
+
+
+def test_generated_caddyfile_validates(tmp_path: Path) -> None:
+    binary = _require_caddy()
+    cert, key = tmp_path / "c.pem", tmp_path / "k.pem"
+    text = caddyfile(port=4443, upstream="127.0.0.1:8000", cert=cert, key=key)
+    assert "protocols h1 h2 h3" in text and "flush_interval -1" in text and "admin off" in text
+    (tmp_path / "Caddyfile").write_text(text)
+    adapted = subprocess.run(
+        [binary, "adapt", "--config", str(tmp_path / "Caddyfile"), "--adapter", "caddyfile"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
+    config = json.loads(adapted.stdout)
+    server = config["apps"]["http"]["servers"]["srv0"]
+    assert server["protocols"] == ["h1", "h2", "h3"]
+    assert server["listen"] == ["127.0.0.1:4443"]
+
+
+@pytest.mark.e2e
+def test_compare_smoke_writes_json_for_every_path(tmp_path: Path) -> None:
+    _require_caddy()
+    options = CompareOptions(
+        workload="stream",
+        rounds=1,
+        requests=4,
+        concurrency=2,
+        tokens=3,
+        token_delay_ms=1.0,
+        workers=1,
+        warmup=1,
+        duration_s=20.0,
+        candidate_args=("--log-level", "warning"),
+        out_root=tmp_path,
+    )
+    result = run_compare(options)
+    written = json.loads(next(tmp_path.glob("*-compare-stream/compare.json")).read_text())
+    assert written["medians"].keys() == {"direct", "pylon", "candidate", "caddy"}
+    for path, summary in written["medians"].items():
+        assert summary["requests"] == 4, path
+        assert summary["ok"] == 4, written["rounds"][0]["errors"]
+        assert summary["events"] == 4 * 5
+        assert summary["lost_events"] == 0
+    assert written["medians"]["pylon"]["proxy_cpu_s"] is not None
+    assert written["medians"]["direct"]["proxy_cpu_s"] is None
+    assert "ttfb_p50_s pylon/caddy" in written["comparison"]
+    assert "proxy_cpu_per_event_s candidate/pylon" in written["comparison"]
+    assert result["targets"]
+
+
+@pytest.mark.e2e
+def test_priority_smoke_joins_engine_records(tmp_path: Path) -> None:
+    options = PriorityOptions(
+        backends=("dynamo",),
+        ceilings=(1000,),
+        classes=parse_classes("0:0.5,none:0.5"),
+        slots=2,
+        tokens=2,
+        token_delay_ms=5.0,
+        duration_s=0.5,
+        drain_s=5.0,
+        workers=1,
+        out_root=tmp_path,
+    )
+    result = run_priority(options)
+    (run,) = result["runs"]
+    by_class = {row["class"]: row for row in run["classes"]}
+    assert sum(row["sent"] for row in by_class.values()) == math.ceil(options.rate_rps * 0.5)
+    for row in by_class.values():
+        assert row["reached_engine"] == row["sent"]
+        assert row["completed"] == row["sent"]
+    assert by_class["p0"]["engine_priority"] == ["1000"]
+    assert by_class["unconfigured"]["engine_priority"] == ["0"]
+    assert (next(tmp_path.glob("*-priority")) / "priority.json").is_file()
