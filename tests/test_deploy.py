@@ -35,6 +35,7 @@ from typing import Any
 import pytest
 import yaml
 
+from pylon.auth import require_configured_auth
 from pylon.config import Settings, load_settings, split_host_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -312,13 +313,25 @@ def settings_from_env(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> S
     return load_settings(overrides={}, config_file=None)
 
 
+def assert_starts_authenticated(settings: Settings) -> None:
+    """Pylon refuses to start without tunnel auth outside --dev: every example must have it."""
+    require_configured_auth(settings.auth, dev=settings.dev)
+    assert not settings.dev and not settings.auth.insecure_no_auth
+    assert settings.auth.client_ca_file is not None
+
+
 def expected_backend(path: Path) -> str:
     return path.parts[1] if path.parts[0] == "overlays" else "passthrough"
 
 
 @pytest.mark.parametrize("path", WORKLOADS, ids=str)
 def test_pylon_env_loads_into_settings(path: Path, clean_env: pytest.MonkeyPatch) -> None:
-    settings = settings_from_env(clean_env, container_env(pylon_container(rendered(path))))
+    pylon = pylon_container(rendered(path))
+    settings = settings_from_env(clean_env, container_env(pylon))
+    assert_starts_authenticated(settings)
+    mounted = [m["mountPath"] + "/" for m in pylon["volumeMounts"]]
+    for needed in (settings.auth.client_ca_file, settings.tls.cert_file, settings.tls.key_file):
+        assert any(str(needed).startswith(mount) for mount in mounted), needed
     assert settings.backend.type == expected_backend(path)
     assert settings.upstream.url is not None
     assert settings.tls.cert_file is not None and settings.tls.key_file is not None
@@ -655,6 +668,7 @@ def test_there_is_a_config_example_per_backend() -> None:
 @pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: p.name)
 def test_config_example_loads(path: Path, clean_env: pytest.MonkeyPatch) -> None:
     settings = load_settings(overrides={}, config_file=path)
+    assert_starts_authenticated(settings)
     assert settings.backend.type == path.stem
     assert split_host_port(settings.listen)[1] == TUNNEL_PORT
     assert split_host_port(settings.admin_listen)[1] == ADMIN_PORT
@@ -674,6 +688,7 @@ def env_file(path: Path) -> dict[str, str]:
 def test_env_file_example_loads(clean_env: pytest.MonkeyPatch) -> None:
     env = env_file(DEPLOY / "config" / "pylon.env")
     settings = settings_from_env(clean_env, env)
+    assert_starts_authenticated(settings)
     assert settings.backend.type == env["PYLON_BACKEND__TYPE"]
     assert settings.model_dump()["backend"].get("strict_tier_bands")
     assert settings.drain_grace_s == float(env["PYLON_DRAIN_GRACE_S"])
