@@ -37,13 +37,22 @@ async def _call(namespace: argparse.Namespace) -> int:
     body = _body(namespace.data)
     method = namespace.method or ("POST" if body is not None else "GET")
     path = (url.path or "/") + (f"?{url.query}" if url.query else "")
+    if (namespace.cert is None) != (namespace.key is None):
+        raise ValueError("--cert and --key go together")
     configuration = client_configuration(
-        verify=not namespace.insecure, cafile=namespace.cacert, server_name=url.hostname
+        verify=not namespace.insecure,
+        cafile=namespace.cacert,
+        server_name=url.hostname,
+        client_cert=(namespace.cert, namespace.key) if namespace.cert else None,
     )
     async with open_client(url.hostname, url.port or 443, configuration=configuration) as client:
-        response = await client.request(
-            method, path, headers=_headers(namespace.headers), body=body, authority=url.netloc
-        )
+        try:
+            response = await client.request(
+                method, path, headers=_headers(namespace.headers), body=body, authority=url.netloc
+            )
+        except StreamAborted as error:
+            # No response head: refused (e.g. a TLS alert 0x1xx for a missing client certificate).
+            raise ConnectionError(f"no response, closed by the server: {error}") from error
         print(f"HTTP/3 {response.status}", file=sys.stderr)
         for name, value in response.headers:
             print(f"{name.decode()}: {value.decode('latin-1')}", file=sys.stderr)

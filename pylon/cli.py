@@ -220,6 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
     call.add_argument("-d", "--data", default=None, metavar="BODY|@FILE")
     call.add_argument("--insecure", action="store_true", help="skip certificate verification")
     call.add_argument("--cacert", default=None, metavar="FILE", help="trust this CA / certificate")
+    call.add_argument("--cert", default=None, metavar="FILE", help="client certificate (mTLS)")
+    call.add_argument("--key", default=None, metavar="FILE", help="client certificate's key")
     return parser
 
 

@@ -192,3 +192,56 @@ def _exercise(server: subprocess.Popen[str], tmp_path: Path) -> None:
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+def test_call_presents_a_client_certificate_to_an_mtls_pylon(tmp_path: Path) -> None:
+    """`pylon serve --client-ca` admits `pylon call --cert/--key`, and refuses it without them."""
+    from pylon.devcert import ensure_dev_certificate
+    from tests.security_kit import make_pki
+
+    pki = make_pki(tmp_path / "pki")
+    cert, key = ensure_dev_certificate(tmp_path / "server")
+    argv = [
+        *PYLON,
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--admin-listen",
+        "127.0.0.1:0",
+        "--cert",
+        str(cert),
+        "--key",
+        str(key),
+        "--client-ca",
+        str(pki.ca_file),
+        "--upstream",
+        "http://127.0.0.1:9",
+    ]
+    with subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as server:
+        try:
+            assert server.stdout is not None
+            match = re.search(r"tunnel on 127\.0\.0\.1:(\d+)", server.stdout.readline())
+            assert match
+            url = f"https://localhost:{match.group(1)}/health"
+            client_cert, client_key = pki.client
+            admitted = _pylon(
+                "call",
+                url,
+                "--cacert",
+                str(cert),
+                "--cert",
+                str(client_cert),
+                "--key",
+                str(client_key),
+            )
+            # The engine is down: a 502 from Pylon proves the request got through the handshake.
+            assert "HTTP/3 502" in admitted.stderr, admitted.stderr
+            refused = _pylon("call", url, "--cacert", str(cert))
+            assert refused.returncode == 2
+            assert "no response, closed by the server" in refused.stderr
+            assert "HTTP/3" not in refused.stderr
+        finally:
+            server.terminate()
+            server.wait(timeout=30)

@@ -217,12 +217,19 @@ class H3Client(QuicConnectionProtocol):
 
 
 def client_configuration(
-    *, verify: bool = True, cafile: str | None = None, server_name: str | None = None
+    *,
+    verify: bool = True,
+    cafile: str | None = None,
+    server_name: str | None = None,
+    client_cert: tuple[str, str] | None = None,
 ) -> QuicConfiguration:
+    """Client settings; `client_cert` is (certificate, key) for servers that require mTLS."""
     configuration = QuicConfiguration(is_client=True, alpn_protocols=H3_ALPN)
     configuration.verify_mode = ssl.CERT_REQUIRED if verify else ssl.CERT_NONE
     if cafile:
         configuration.load_verify_locations(cafile)
+    if client_cert is not None:
+        configuration.load_cert_chain(*client_cert)
     configuration.server_name = server_name
     return configuration
 
