@@ -34,7 +34,8 @@ from pylon.readiness import PROBE_INTERVAL_S, EngineProbe, Readiness
 from pylon.service import ServiceOptions, TunnelService
 from pylon.tracing import Tracing, TracingUnavailable, build_tracing
 from tunnel.limits import TunnelLimits
-from tunnel.server import TunnelOptions, TunnelServer, start_tunnel
+from tunnel.listener import TunnelServer, start_tunnel
+from tunnel.server import TunnelOptions
 
 logger = logging.getLogger("pylon")
 

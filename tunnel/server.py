@@ -1,4 +1,4 @@
-"""The QUIC/HTTP3 listener: one protocol per connection, one handler task per stream.
+"""One QUIC/HTTP3 connection's protocol: one handler task per request stream.
 
 Strategy: aioquic's sans-IO connection does the protocol; this module is the
 glue to asyncio. Every request stream becomes a `TunnelStream` handed to the
@@ -16,10 +16,9 @@ import asyncio
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aioquic.asyncio.protocol import QuicConnectionProtocol
-from aioquic.asyncio.server import QuicServer, serve
 from aioquic.buffer import encode_uint_var
 from aioquic.h3.connection import (
     H3_ALPN,
@@ -29,7 +28,6 @@ from aioquic.h3.connection import (
     stream_is_request_response,
 )
 from aioquic.h3.events import DataReceived, H3Event, HeadersReceived
-from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.events import (
     ConnectionTerminated,
     HandshakeCompleted,
@@ -54,6 +52,9 @@ from tunnel.stream import Handler, TunnelStream
 from tunnel.tls import ClientAuth, peer_identity, require_client_certificate
 from tunnel.types import HeaderList, MalformedRequest
 from tunnel.validation import parse_request_head
+
+if TYPE_CHECKING:
+    from tunnel.listener import ConnectionRegistry
 
 logger = logging.getLogger(__name__)
 
@@ -337,68 +338,3 @@ class TunnelProtocol(QuicConnectionProtocol):
             1 for stream_id in self._quic._streams if stream_is_request_response(stream_id)
         )
         return len(self.streams) + len(self._tasks) + h3_count + quic_count
-
-
-class ConnectionRegistry:
-    """Open tunnel connections, read at scrape time by gauges."""
-
-    def __init__(self) -> None:
-        self.connections: set[TunnelProtocol] = set()
-        self.draining = False
-
-    def start_drain(self) -> None:
-        """GOAWAY on every connection, and on any that opens from now on."""
-        self.draining = True
-        for protocol in self.connections:
-            protocol.send_goaway()
-
-    def opened(self, protocol: TunnelProtocol) -> None:
-        self.connections.add(protocol)
-
-    def closed(self, protocol: TunnelProtocol) -> None:
-        self.connections.discard(protocol)
-
-    def active_streams(self) -> int:
-        return sum(len(protocol.streams) for protocol in self.connections)
-
-    def queued_bytes(self) -> int:
-        return sum(protocol.queued_bytes() for protocol in self.connections)
-
-
-class TunnelServer:
-    """A bound HTTP/3 listener; `port` is the real port when 0 was asked for."""
-
-    def __init__(self, server: QuicServer, registry: ConnectionRegistry) -> None:
-        self._server = server
-        self.registry = registry
-
-    @property
-    def port(self) -> int:
-        transport = self._server._transport
-        assert transport is not None
-        return int(transport.get_extra_info("sockname")[1])
-
-    def close(self) -> None:
-        for protocol in list(self.registry.connections):
-            protocol.close(error_code=ErrorCode.H3_NO_ERROR)
-        self._server.close()
-
-
-async def start_tunnel(
-    *,
-    host: str,
-    port: int,
-    configuration: QuicConfiguration,
-    handler: Handler,
-    options: TunnelOptions,
-    registry_factory: Callable[[], ConnectionRegistry] = ConnectionRegistry,
-) -> TunnelServer:
-    registry = registry_factory()
-    configuration.alpn_protocols = H3_ALPN
-    configuration.max_stream_data = options.request_window_bytes
-
-    def create_protocol(*args: Any, **kwargs: Any) -> TunnelProtocol:
-        return TunnelProtocol(*args, handler=handler, options=options, registry=registry, **kwargs)
-
-    server = await serve(host, port, configuration=configuration, create_protocol=create_protocol)
-    return TunnelServer(server, registry)

@@ -1,0 +1,83 @@
+"""The HTTP/3 listener: binds the UDP port and tracks its connections.
+
+`start_tunnel` turns a QuicConfiguration and a handler into a bound
+`TunnelServer`; the `ConnectionRegistry` is what gauges read at scrape time
+and what a drain uses to send GOAWAY on every connection.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from aioquic.asyncio.server import QuicServer, serve
+from aioquic.h3.connection import H3_ALPN, ErrorCode
+from aioquic.quic.configuration import QuicConfiguration
+
+from tunnel.server import TunnelOptions, TunnelProtocol
+from tunnel.stream import Handler
+
+
+class ConnectionRegistry:
+    """Open tunnel connections, read at scrape time by gauges."""
+
+    def __init__(self) -> None:
+        self.connections: set[TunnelProtocol] = set()
+        self.draining = False
+
+    def start_drain(self) -> None:
+        """GOAWAY on every connection, and on any that opens from now on."""
+        self.draining = True
+        for protocol in self.connections:
+            protocol.send_goaway()
+
+    def opened(self, protocol: TunnelProtocol) -> None:
+        self.connections.add(protocol)
+
+    def closed(self, protocol: TunnelProtocol) -> None:
+        self.connections.discard(protocol)
+
+    def active_streams(self) -> int:
+        return sum(len(protocol.streams) for protocol in self.connections)
+
+    def queued_bytes(self) -> int:
+        return sum(protocol.queued_bytes() for protocol in self.connections)
+
+
+class TunnelServer:
+    """A bound HTTP/3 listener; `port` is the real port when 0 was asked for."""
+
+    def __init__(self, server: QuicServer, registry: ConnectionRegistry) -> None:
+        self._server = server
+        self.registry = registry
+
+    @property
+    def port(self) -> int:
+        transport = self._server._transport
+        assert transport is not None
+        return int(transport.get_extra_info("sockname")[1])
+
+    def close(self) -> None:
+        for protocol in list(self.registry.connections):
+            protocol.close(error_code=ErrorCode.H3_NO_ERROR)
+        self._server.close()
+
+
+async def start_tunnel(
+    *,
+    host: str,
+    port: int,
+    configuration: QuicConfiguration,
+    handler: Handler,
+    options: TunnelOptions,
+    registry_factory: Callable[[], ConnectionRegistry] = ConnectionRegistry,
+) -> TunnelServer:
+    registry = registry_factory()
+    configuration.alpn_protocols = H3_ALPN
+    configuration.max_stream_data = options.request_window_bytes
+
+    def create_protocol(*args: Any, **kwargs: Any) -> TunnelProtocol:
+        return TunnelProtocol(*args, handler=handler, options=options, registry=registry, **kwargs)
+
+    server = await serve(host, port, configuration=configuration, create_protocol=create_protocol)
+    return TunnelServer(server, registry)
