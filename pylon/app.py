@@ -255,6 +255,7 @@ async def _start_listener(
                 max_header_frame_bytes=2 * limits.max_header_bytes,
             ),
             client_auth=auth.client,
+            session_tickets=settings.security.enable_0rtt,
             on_connection_refused=metrics.connection_refused,
             on_stream_refused=metrics.request_rejected,
         ),

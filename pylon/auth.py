@@ -58,10 +58,8 @@ _BEARER = b"bearer"
 
 
 ZERO_RTT_REFUSAL = (
-    "security.enable_0rtt is not supported: aioquic does not tell which request "
-    "streams arrived as replayable early data, so Pylon could not answer 425 to "
-    "non-idempotent ones; and a resumed session would skip the client-certificate "
-    "check. Leave it off (no session tickets are issued)"
+    "security.enable_0rtt cannot be combined with --client-ca: a resumed TLS session "
+    "skips the client-certificate check; use token authentication with 0-RTT"
 )
 
 
@@ -79,7 +77,7 @@ class TunnelAuth:
 
 def tunnel_auth_from(settings: Settings) -> TunnelAuth:
     """The configured authentication, after refusing settings that cannot run safely."""
-    if settings.security.enable_0rtt:
+    if settings.security.enable_0rtt and settings.auth.client_ca_file is not None:
         raise AuthSetupError(ZERO_RTT_REFUSAL)
     require_configured_auth(settings.auth, dev=settings.dev)
     token_file = settings.auth.token_file

@@ -121,8 +121,9 @@ class SecuritySettings(_Section):
     allowed_headers: tuple[str, ...] = DEFAULT_ALLOWED_HEADERS
     """Headers forwarded in allowlist mode (names, case-insensitive)."""
     enable_0rtt: bool = False
-    """0-RTT (early data). Not supported: setting it true refuses to start
-    (see docs/security.md)."""
+    """Issue single-use resumption tickets so a reconnecting gateway can send
+    0-RTT early data; early requests other than GET/HEAD/OPTIONS get 425.
+    Not allowed with mTLS: a resumed session skips the certificate check."""
 
     @field_validator("allowed_headers")
     @classmethod

@@ -11,6 +11,7 @@
     │   ├── HeaderTooLarge          431 header section over limits.max_header_bytes
     │   ├── ConnectionStreamLimit   503 too many requests on this connection (retry elsewhere)
     │   ├── TotalStreamLimit        503 too many requests on this node (retry elsewhere)
+    │   ├── TooEarly                425 non-idempotent request sent as replayable 0-RTT data
     │   └── Draining                503 Pylon is shutting down (retry elsewhere)
     └── UpstreamError               the engine side failed
         ├── UpstreamUnreachable     502 connect refused/unreachable (nothing sent: retry-safe)
@@ -114,6 +115,11 @@ class TotalStreamLimit(RequestRejected):
     status = 503
     error_type = "service_unavailable"
     code = "total_stream_limit"
+
+
+class TooEarly(RequestRejected):
+    status = 425
+    code = "too_early"
 
 
 class Draining(RequestRejected):

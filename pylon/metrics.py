@@ -49,6 +49,7 @@ REJECT_REASONS = (
     "connection_stream_limit",
     "total_stream_limit",
     "body_idle_timeout",
+    "too_early",
 )
 CONNECTION_REFUSALS = (CONNECTION_LIMIT, *(refusal.value for refusal in Refusal))
 UPSTREAM_ERROR_KINDS = ("connect", "not_ready", "timeout", "reset", "protocol")

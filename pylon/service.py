@@ -28,6 +28,7 @@ from pylon.errors import (
     Draining,
     PylonError,
     RequestRejected,
+    TooEarly,
     UpstreamError,
     UpstreamTimeout,
 )
@@ -46,6 +47,9 @@ from tunnel.stream import TunnelStream
 from tunnel.types import StreamAborted
 
 logger = logging.getLogger("pylon.access")
+
+REPLAY_SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+"""RFC 9110 §9.2.2 idempotent-and-safe methods: the only ones served from 0-RTT data."""
 debug_logger = logging.getLogger("pylon.priority")
 
 CANCELLED_BY: tuple[tuple[type[PylonError], str], ...] = (
@@ -148,6 +152,8 @@ class TunnelService:
         try:
             if self.draining:
                 raise Draining("Pylon is draining; retry on another node")
+            if stream.early and stream.head.method not in REPLAY_SAFE_METHODS:
+                raise TooEarly("sent as 0-RTT early data, which can be replayed; resend it")
             self._options.admission.check(stream)
             async with asyncio.timeout(self._options.total_timeout_s):
                 await self._serve(stream, exchange)

@@ -398,13 +398,13 @@ def test_auth_flags_reach_the_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     assert (auth.token_file, auth.insecure_no_auth) == (Path("tokens"), True)
 
 
-def test_start_up_refuses_0rtt(tmp_path: Path) -> None:
-    settings = production_settings(tmp_path, insecure_no_auth=True).model_copy(
+def test_start_up_refuses_0rtt_with_mtls(tmp_path: Path) -> None:
+    settings = production_settings(tmp_path, client_ca_file="ca.pem").model_copy(
         update={"security": Settings().security.model_copy(update={"enable_0rtt": True})}
     )
 
     async def scenario() -> None:
-        with pytest.raises(StartupError, match="enable_0rtt is not supported"):
+        with pytest.raises(StartupError, match="cannot be combined with --client-ca"):
             await start_pylon(settings)
 
     run(scenario())

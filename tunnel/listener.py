@@ -7,12 +7,14 @@ and what a drain uses to send GOAWAY on every connection.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 from aioquic.asyncio.server import QuicServer, serve
 from aioquic.h3.connection import H3_ALPN, ErrorCode
 from aioquic.quic.configuration import QuicConfiguration
+from aioquic.tls import SessionTicket
 
 from tunnel.server import TunnelOptions, TunnelProtocol
 from tunnel.stream import Handler
@@ -42,6 +44,23 @@ class ConnectionRegistry:
 
     def queued_bytes(self) -> int:
         return sum(protocol.queued_bytes() for protocol in self.connections)
+
+
+class SingleUseTickets:
+    """Resumption tickets, each accepted once (RFC 8446 §8.1): a replayed ClientHello
+    finds its ticket gone, so its early data is rejected. Bounded, oldest dropped first."""
+
+    def __init__(self, *, capacity: int = 100_000) -> None:
+        self._tickets: OrderedDict[bytes, SessionTicket] = OrderedDict()
+        self._capacity = capacity
+
+    def add(self, ticket: SessionTicket) -> None:
+        self._tickets[ticket.ticket] = ticket
+        while len(self._tickets) > self._capacity:
+            self._tickets.popitem(last=False)
+
+    def take(self, label: bytes) -> SessionTicket | None:
+        return self._tickets.pop(label, None)
 
 
 class TunnelServer:
@@ -79,5 +98,13 @@ async def start_tunnel(
     def create_protocol(*args: Any, **kwargs: Any) -> TunnelProtocol:
         return TunnelProtocol(*args, handler=handler, options=options, registry=registry, **kwargs)
 
-    server = await serve(host, port, configuration=configuration, create_protocol=create_protocol)
+    tickets = SingleUseTickets() if options.session_tickets else None
+    server = await serve(
+        host,
+        port,
+        configuration=configuration,
+        create_protocol=create_protocol,
+        session_ticket_fetcher=tickets.take if tickets else None,
+        session_ticket_handler=tickets.add if tickets else None,
+    )
     return TunnelServer(server, registry)

@@ -62,6 +62,8 @@ CONNECTION_LIMIT = "connection_limit"
 """Refusal reason: a connection over `TunnelLimits.max_connections`."""
 HEADER_TOO_LARGE = "header_too_large"
 """Refusal reason: a HEADERS frame over `TunnelLimits.max_header_frame_bytes`."""
+MALFORMED_REQUEST = "malformed_request"
+"""Refusal reason: a request that breaks RFC 9114 message rules (stream reset)."""
 
 
 def _ignore(reason: str) -> None:
@@ -87,7 +89,10 @@ class TunnelOptions:
     on_connection_refused: Callable[[str], None] = _ignore
     """Told the reason (a `Refusal` value or CONNECTION_LIMIT) of each refused connection."""
     on_stream_refused: Callable[[str], None] = _ignore
-    """Told the reason of each request stream the tunnel itself refused (HEADER_TOO_LARGE)."""
+    """Told the reason of each request stream the tunnel itself refused
+    (HEADER_TOO_LARGE, MALFORMED_REQUEST)."""
+    session_tickets: bool = False
+    """Issue single-use resumption tickets, which lets clients send 0-RTT early data."""
 
 
 class TunnelProtocol(QuicConnectionProtocol):
@@ -109,6 +114,7 @@ class TunnelProtocol(QuicConnectionProtocol):
         self._tasks: dict[int, asyncio.Task[None]] = {}
         self._highest_request_stream_id: int | None = None
         self._goaway_sent = False
+        self._handshake_done = False
         self._quiet_since = self._loop.time()
         """When a datagram last arrived or a keep-alive PING last left."""
         self._keepalive: asyncio.TimerHandle | None = None
@@ -145,6 +151,7 @@ class TunnelProtocol(QuicConnectionProtocol):
             if self._registry.draining:
                 self.send_goaway()
         elif isinstance(event, HandshakeCompleted):
+            self._handshake_done = True
             self._schedule_keepalive()
             if self._options.client_auth is not None:
                 logger.info("tunnel peer authenticated as %s", peer_identity(self._quic))
@@ -174,6 +181,7 @@ class TunnelProtocol(QuicConnectionProtocol):
                 stream.feed(event.data, end=event.stream_ended)
         elif isinstance(event, RequestMalformed):
             logger.info("malformed request on stream %d: %s", event.stream_id, event.reason)
+            self._options.on_stream_refused(MALFORMED_REQUEST)
             self._abort_stream(event.stream_id, ErrorCode.H3_MESSAGE_ERROR)
 
     def _start_stream(
@@ -196,6 +204,8 @@ class TunnelProtocol(QuicConnectionProtocol):
                 on_connection=len(self.streams),
                 in_total=self._registry.active_streams(),
             ),
+            # Before the handshake completes, request data can only be 0-RTT.
+            early=not self._handshake_done,
         )
         self._credit.track(stream_id)
         stream.feed(b"", end=ended)
@@ -215,6 +225,7 @@ class TunnelProtocol(QuicConnectionProtocol):
 
     def _reject_malformed(self, stream_id: int, *, ended: bool) -> None:
         assert self._h3 is not None
+        self._options.on_stream_refused(MALFORMED_REQUEST)
         if not ended:
             self._quic.stop_stream(stream_id, ErrorCode.H3_MESSAGE_ERROR)
         self._quic.reset_stream(stream_id, ErrorCode.H3_MESSAGE_ERROR)

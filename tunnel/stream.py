@@ -47,9 +47,12 @@ class TunnelStream:
         owner: StreamOwner,
         max_queued_bytes: int,
         over_limit: StreamLimit | None = None,
+        early: bool = False,
     ) -> None:
         self.stream_id = stream_id
         self.head = head
+        self.early = early
+        """The request arrived as 0-RTT early data, which an attacker can replay."""
         self.over_limit = over_limit
         """Set when the stream arrived over a concurrency limit (answer it, don't serve it)."""
         self._owner = owner
