@@ -43,6 +43,17 @@ def comma_list(text: str) -> tuple[str, ...]:
     return tuple(item.strip() for item in text.split(",") if item.strip())
 
 
+def parse_tier_bands(text: str) -> list[dict[str, int]]:
+    """`9:2,99:1` -> [{"max_level": 9, "tier": 2}, {"max_level": 99, "tier": 1}]."""
+    bands = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        level, sep, tier = item.partition(":")
+        if not sep or not level.strip().isdigit() or not tier.strip().isdigit():
+            raise argparse.ArgumentTypeError(f"expected MAX_LEVEL:TIER, got {item!r}")
+        bands.append({"max_level": int(level), "tier": int(tier)})
+    return bands
+
+
 @dataclass(frozen=True)
 class Flag:
     flag: str
@@ -111,6 +122,13 @@ SERVE_FLAGS: tuple[Flag, ...] = (
         "priority.absent",
         "absent x-priority: lowest or omit",
         metavar="POLICY",
+    ),
+    Flag(
+        "--dynamo-strict-tier-bands",
+        "backend.strict_tier_bands",
+        "Dynamo hard tiers, most urgent first: MAX_LEVEL:TIER,... e.g. 9:2,99:1",
+        parse_tier_bands,
+        "BANDS",
     ),
     Flag("--dynamo-strict-priority", "backend.strict_priority", "Dynamo strict tier", int, "N"),
     Flag(

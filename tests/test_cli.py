@@ -71,6 +71,14 @@ def test_flags_reach_nested_settings() -> None:
     assert settings.upstream.idle_timeout_s == 9
 
 
+def test_dynamo_strict_tier_bands_flag() -> None:
+    settings = _settings("--backend", "dynamo", "--dynamo-strict-tier-bands", "9:2, 99:1")
+    bands = settings.backend.strict_tier_bands  # type: ignore[union-attr]
+    assert [(b.max_level, b.tier) for b in bands] == [(9, 2), (99, 1)]
+    with pytest.raises(SystemExit):
+        _settings("--backend", "dynamo", "--dynamo-strict-tier-bands", "9-2")
+
+
 def test_every_flag_names_a_real_setting() -> None:
     for flag in SERVE_FLAGS:
         section, _, leaf = flag.key.rpartition(".")
