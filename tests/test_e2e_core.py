@@ -230,3 +230,29 @@ def test_slow_reader_keeps_queued_bytes_bounded(tmp_path: Path) -> None:
             assert peak <= cap + 64 * 1024, f"queued {peak} bytes with a {cap}-byte cap"
 
     run(scenario(), timeout_s=120)
+
+
+def test_a_slow_gateway_does_not_count_as_an_idle_engine(tmp_path: Path) -> None:
+    """The idle budget covers waiting for the engine, not waiting for the gateway to drain."""
+
+    async def scenario() -> None:
+        body = orjson.dumps({"model": "mock-model", "stream": True, "max_tokens": 5000})
+        async with (
+            stack(
+                tmp_path,
+                engine=MockEngineOptions(tokens=5000),
+                upstream={"idle_timeout_s": 0.3},
+                limits={"max_queued_response_bytes": 64 * 1024},
+            ) as s,
+            s.client(receive_window_bytes=32 * 1024) as client,
+        ):
+            response = await client.request(
+                "POST", CHAT, headers=tunnel_headers("slow-gw"), body=body
+            )
+            chunks = response.chunks()
+            first = await anext(chunks)
+            await asyncio.sleep(1.0)  # the gateway stalls well past the engine idle budget
+            rest = b"".join([chunk async for chunk in chunks])
+            assert (first + rest).endswith(b"data: [DONE]\n\n")
+
+    run(scenario())
