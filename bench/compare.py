@@ -23,7 +23,14 @@ from bench.drivers import Target
 from bench.load import LoadSpec, run_load
 from bench.output import machine, results_dir, write_json
 from bench.plots import compare_plots
-from bench.procfs import cpu_seconds, machine_busy_seconds, peak_rss_bytes, reset_peak_rss
+from bench.procfs import (
+    cpu_seconds,
+    machine_busy_seconds,
+    peak_rss_bytes,
+    reset_peak_rss,
+    udp_drops,
+    udp_rcvbuf_errors,
+)
 from bench.progress import note
 from bench.stats import Record, Summary, error_counts, median_summary, ratio, summarize
 from bench.workloads import RequestSpec, small, stream, upload, with_headers
@@ -216,6 +223,8 @@ def _measure(
             marks["proxy"] = cpu_seconds(proxy.pid)
         marks["engine"] = cpu_seconds(engine.pid)
         marks["machine"] = machine_busy_seconds()
+        marks["udp_errors"] = udp_rcvbuf_errors()
+        marks["proxy_drops"] = _drops(proxy)
 
     stack.engine_clear(engine.url)
     result = run_load(spec, label=label, on_start=on_start)
@@ -224,7 +233,11 @@ def _measure(
     proxy_cpu = None if proxy is None else cpu_seconds(proxy.pid) - marks["proxy"]
     engine_cpu = cpu_seconds(engine.pid) - marks["engine"]
     events = summary["events"] or None
+    udp_dropped = udp_rcvbuf_errors() - marks["udp_errors"]
+    proxy_dropped = _drops(proxy) - marks["proxy_drops"]
     summary |= {
+        "udp_dropped": udp_dropped,
+        "proxy_udp_dropped": proxy_dropped if proxy is not None else None,
         "client_cpu_s": result.client_cpu_s,
         "engine_cpu_s": engine_cpu,
         "machine_cpu_s": machine_cpu,
@@ -235,6 +248,11 @@ def _measure(
         "proxy_peak_rss_bytes": None if proxy is None else peak_rss_bytes(proxy.pid),
     }
     return result.records, summary
+
+
+def _drops(proxy: stack.Service | None) -> float:
+    """Datagrams dropped at the proxy's UDP socket so far (0 for none: the direct path)."""
+    return float((udp_drops(proxy.port) or 0) if proxy is not None else 0)
 
 
 def _report(

@@ -85,7 +85,8 @@ def _le(value: float | int | None, bound: float) -> bool | None:
 
 def paths_table(medians: Mapping[str, Summary]) -> str:
     headers = ["path", "ok", "err", "req/s", "TTFB p50", "TTFB p99", "gap p50", "gap p99"]
-    headers += ["lost", "proxy CPU/req", "CPU/event", "peak RSS", "client CPU", "other CPU"]
+    headers += ["lost", "UDP drops", "proxy CPU/req", "CPU/event", "peak RSS", "client CPU"]
+    headers += ["other CPU"]
     rows = []
     for path, m in medians.items():
         rows.append(
@@ -99,6 +100,7 @@ def paths_table(medians: Mapping[str, Summary]) -> str:
                 fmt_ms(m.get("gap_p50_s")),
                 fmt_ms(m.get("gap_p99_s")),
                 fmt_num(m.get("lost_events"), 0),
+                _drops_cell(m),
                 fmt_ms(m.get("proxy_cpu_per_request_s"), 3),
                 fmt_us(m.get("proxy_cpu_per_event_s")),
                 fmt_mib(m.get("proxy_peak_rss_bytes")),
@@ -108,9 +110,17 @@ def paths_table(medians: Mapping[str, Summary]) -> str:
         )
     units = (
         "times in ms, CPU/req in ms, CPU/event in us, RSS in MiB, CPU in s; medians over rounds;\n"
+        " UDP drops: datagrams lost to full socket buffers, at the proxy / machine-wide;\n"
         " other CPU: busy time of everything else on the machine during the run"
     )
     return format_table(headers, rows) + f"\n({units})"
+
+
+def _drops_cell(m: Summary) -> str:
+    at_proxy, everywhere = m.get("proxy_udp_dropped"), m.get("udp_dropped")
+    if at_proxy is None:
+        return fmt_num(everywhere, 0)
+    return f"{fmt_num(at_proxy, 0)}/{fmt_num(everywhere, 0)}"
 
 
 def ratios_table(comparison: Summary) -> str:

@@ -59,6 +59,33 @@ def background_busy_cores(interval_s: float = 1.0) -> float:
     return (machine_busy_seconds() - before) / interval_s
 
 
+def parse_udp_drops(proc_net_udp: str, port: int) -> int | None:
+    """Datagrams dropped at the UDP socket bound to `port` (last column of /proc/net/udp),
+    because its receive buffer was full; None when no socket has that port."""
+    wanted = f":{port:04X}"
+    for line in proc_net_udp.splitlines()[1:]:
+        fields = line.split()
+        if len(fields) > 12 and fields[1].endswith(wanted):
+            return int(fields[-1])
+    return None
+
+
+def parse_rcvbuf_errors(proc_net_snmp: str) -> int:
+    """Udp RcvbufErrors of the whole machine from /proc/net/snmp."""
+    lines = [line.split() for line in proc_net_snmp.splitlines() if line.startswith("Udp:")]
+    names, values = lines[0], lines[1]
+    return int(values[names.index("RcvbufErrors")])
+
+
+def udp_drops(port: int) -> int | None:
+    return parse_udp_drops(Path("/proc/net/udp").read_text(), port)
+
+
+def udp_rcvbuf_errors() -> int:
+    """Every UDP datagram the machine dropped for a full socket buffer (QUIC loss on loopback)."""
+    return parse_rcvbuf_errors(Path("/proc/net/snmp").read_text())
+
+
 def cpu_seconds(pid: int) -> float:
     return parse_stat_ticks(Path(f"/proc/{pid}/stat").read_text()) / CLOCK_TICKS_PER_S
 

@@ -176,6 +176,16 @@ def test_procfs_parsers() -> None:
     assert procfs.parse_status_kib(status, "VmSwap") is None
     proc_stat = "cpu  100 5 50 9000 40 3 2 1 0 0\ncpu0 50 2 25 4500 20 1 1 0 0 0\n"
     assert procfs.parse_busy_ticks(proc_stat) == 100 + 5 + 50 + 3 + 2 + 1
+    udp = (
+        "   sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid"
+        "  timeout inode ref pointer drops\n"
+        "  1: 0100007F:1F90 00000000:0000 07 00000000:00000000 00:00000000 00000000"
+        "     0        0 3027 2 0000000037e98a1f 332\n"
+    )
+    assert procfs.parse_udp_drops(udp, 8080) == 332
+    assert procfs.parse_udp_drops(udp, 8081) is None
+    snmp = "Udp: InDatagrams NoPorts InErrors RcvbufErrors\nUdp: 10 0 7 7\n"
+    assert procfs.parse_rcvbuf_errors(snmp) == 7
 
 
 def test_cdf_is_monotonic() -> None:
