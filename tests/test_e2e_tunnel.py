@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import gc
+import socket
 from pathlib import Path
 
 import pytest
 from aioquic.h3.connection import ErrorCode
 
 from tests.harness import CHAT, eventually, run, stack, tunnel_headers
+from tunnel.server import TunnelOptions
 from tunnel.types import StreamAborted
 
 pytestmark = pytest.mark.e2e
@@ -79,3 +81,15 @@ def test_stream_state_is_freed_on_a_long_lived_connection(tmp_path: Path) -> Non
             assert freed, f"{protocol.tracked_state_count()} per-stream objects left behind"
 
     run(scenario(), timeout_s=120)
+
+
+def test_udp_socket_buffers_are_raised(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with stack(tmp_path) as s:
+            sock = s.pylon.tunnel._server._transport.get_extra_info("socket")
+            cap = int(Path("/proc/sys/net/core/rmem_max").read_text())
+            # Linux doubles the request (for its bookkeeping) after capping it at rmem_max.
+            expected = min(TunnelOptions().udp_buffer_bytes, cap)
+            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) >= expected
+
+    run(scenario())

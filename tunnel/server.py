@@ -91,6 +91,8 @@ class TunnelOptions:
     on_stream_refused: Callable[[str], None] = _ignore
     """Told the reason of each request stream the tunnel itself refused
     (HEADER_TOO_LARGE, MALFORMED_REQUEST)."""
+    udp_buffer_bytes: int = 4 << 20
+    """Requested UDP socket send/receive buffer size (0 keeps the kernel default)."""
     session_tickets: bool = False
     """Issue single-use resumption tickets, which lets clients send 0-RTT early data."""
 
