@@ -4,7 +4,8 @@ Pylon vs Caddy comparisons, and per-class priority behaviour under overload.
 Run `python -m bench --help`; what the numbers mean is in docs/performance.md.
 Pure helpers (`stats`, `sse`, `table`, `workloads`, `queueing`, `compare_report`,
 `caddy`, the parsers in `procfs`) are separate from the I/O (`load`, `drivers`,
-`stack`, `output`, `compare`, `priority`).
+`h3client`, `stack`, `measure`, `output`, `plots`, `compare`, `priority`).
+`experiments/` holds launchers that run a patched Pylon as a `--candidate-command`.
 """
 
 __all__ = ["compare", "load", "priority"]

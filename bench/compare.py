@@ -21,18 +21,11 @@ from typing import Any
 from bench import compare_report, stack
 from bench.drivers import Target
 from bench.load import LoadSpec, run_load
+from bench.measure import measure
 from bench.output import machine, results_dir, write_json
 from bench.plots import compare_plots
-from bench.procfs import (
-    cpu_seconds,
-    machine_busy_seconds,
-    peak_rss_bytes,
-    reset_peak_rss,
-    udp_drops,
-    udp_rcvbuf_errors,
-)
 from bench.progress import note
-from bench.stats import Record, Summary, error_counts, median_summary, ratio, summarize
+from bench.stats import Record, Summary, error_counts, median_summary
 from bench.workloads import RequestSpec, small, stream, upload, with_headers
 from pylon.devcert import ensure_dev_certificate
 
@@ -181,7 +174,7 @@ def _rounds(
             spec = _spec(options, paths[name], run_id=f"r{index}-{name}")
             label = f"round {index + 1}/{options.rounds} {name}"
             proxy = paths[name].proxy
-            records, by_path[name] = _measure(spec, engine=engine, proxy=proxy, label=label)
+            records, by_path[name] = measure(spec, engine=engine, proxy=proxy, label=label)
             errors[name] = error_counts(records)
             samples[name].extend(records)
         rounds.append({"round": index + 1, "order": order, "paths": by_path, "errors": errors})
@@ -210,49 +203,6 @@ def _ramp_s(options: CompareOptions) -> float:
     if options.workload != "stream" or not options.tokens or not options.token_delay_ms:
         return 0.0
     return options.tokens * options.token_delay_ms / 1000
-
-
-def _measure(
-    spec: LoadSpec, *, engine: stack.Service, proxy: stack.Service | None, label: str
-) -> tuple[list[Record], Summary]:
-    marks: dict[str, float] = {}
-
-    def on_start() -> None:
-        if proxy is not None:
-            reset_peak_rss(proxy.pid)
-            marks["proxy"] = cpu_seconds(proxy.pid)
-        marks["engine"] = cpu_seconds(engine.pid)
-        marks["machine"] = machine_busy_seconds()
-        marks["udp_errors"] = udp_rcvbuf_errors()
-        marks["proxy_drops"] = _drops(proxy)
-
-    stack.engine_clear(engine.url)
-    result = run_load(spec, label=label, on_start=on_start)
-    summary = summarize(result.records, wall_s=result.wall_s)
-    machine_cpu = machine_busy_seconds() - marks["machine"]
-    proxy_cpu = None if proxy is None else cpu_seconds(proxy.pid) - marks["proxy"]
-    engine_cpu = cpu_seconds(engine.pid) - marks["engine"]
-    events = summary["events"] or None
-    udp_dropped = udp_rcvbuf_errors() - marks["udp_errors"]
-    proxy_dropped = _drops(proxy) - marks["proxy_drops"]
-    summary |= {
-        "udp_dropped": udp_dropped,
-        "proxy_udp_dropped": proxy_dropped if proxy is not None else None,
-        "client_cpu_s": result.client_cpu_s,
-        "engine_cpu_s": engine_cpu,
-        "machine_cpu_s": machine_cpu,
-        "other_cpu_s": machine_cpu - result.client_cpu_s - engine_cpu - (proxy_cpu or 0.0),
-        "proxy_cpu_s": proxy_cpu,
-        "proxy_cpu_per_request_s": ratio(proxy_cpu, len(result.records)),
-        "proxy_cpu_per_event_s": ratio(proxy_cpu, events),
-        "proxy_peak_rss_bytes": None if proxy is None else peak_rss_bytes(proxy.pid),
-    }
-    return result.records, summary
-
-
-def _drops(proxy: stack.Service | None) -> float:
-    """Datagrams dropped at the proxy's UDP socket so far (0 for none: the direct path)."""
-    return float((udp_drops(proxy.port) or 0) if proxy is not None else 0)
 
 
 def _report(

@@ -122,7 +122,7 @@ def run_load(
     for process in processes:
         process.start()
     try:
-        ready.wait(SETUP_TIMEOUT_S)
+        _await_ready(ready, processes, results, workers=workers)
         if on_start is not None:
             on_start()
         start_at.value = time.monotonic() + START_DELAY_S
@@ -134,6 +134,25 @@ def run_load(
             if process.is_alive():
                 process.terminate()
                 process.join()
+
+
+def _await_ready(ready: Any, processes: list[Any], results: Any, *, workers: int) -> None:
+    """Wait until every worker is connected; fail at once, with its traceback, if one died."""
+    deadline = time.monotonic() + SETUP_TIMEOUT_S
+    while ready.n_waiting < workers:
+        if not all(p.is_alive() for p in processes) or time.monotonic() > deadline:
+            ready.abort()
+            raise RuntimeError(f"load workers did not start:\n{_first_error(results)}")
+        time.sleep(POLL_S / 5)
+    ready.wait(SETUP_TIMEOUT_S)
+
+
+def _first_error(results: Any) -> str:
+    try:
+        _, outcome = results.get(timeout=1.0)
+    except queue_module.Empty:
+        return "(no report)"
+    return outcome if isinstance(outcome, str) else "(a worker finished early)"
 
 
 def _collect(

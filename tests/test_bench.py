@@ -18,6 +18,8 @@ import pytest
 from bench import compare_report, procfs, queueing, stack
 from bench.caddy import caddyfile
 from bench.compare import CompareOptions, run_compare
+from bench.drivers import Target
+from bench.load import LoadSpec, run_load
 from bench.output import cdf
 from bench.priority import PriorityOptions, run_priority
 from bench.sse import StreamObserver
@@ -264,6 +266,23 @@ def test_generated_caddyfile_validates(tmp_path: Path) -> None:
     server = config["apps"]["http"]["servers"]["srv0"]
     assert server["protocols"] == ["h1", "h2", "h3"]
     assert server["listen"] == ["127.0.0.1:4443"]
+
+
+@pytest.mark.e2e
+def test_load_records_a_refused_connection_as_an_error() -> None:
+    spec = LoadSpec(
+        target=Target("h1", stack.HOST, stack.free_port()),
+        pattern=small(),
+        requests=3,
+        concurrency=1,
+        workers=1,
+        duration_s=10.0,
+        drain_s=5.0,
+    )
+    result = run_load(spec, label="refused")
+    assert sorted(r.request_id for r in result.records) == ["bench-0", "bench-1", "bench-2"]
+    assert all(r.error == "ConnectError" and r.status is None for r in result.records)
+    assert summarize(result.records, wall_s=result.wall_s)["errors"] == 3
 
 
 @pytest.mark.e2e
