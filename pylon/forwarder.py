@@ -4,7 +4,8 @@ httpx's read timeout applies to every read, including the wait for the
 response head, but time to first token can be minutes: so httpx gets no read
 timeout, and Pylon enforces its own budgets here: an optional response-head
 timeout, an idle timeout between body chunks, and (in the service) an optional
-total deadline. Every httpx exception leaves through `map_upstream_errors`.
+total deadline. Every httpx exception is translated by the one table in
+`pylon.errors` (`map_upstream_errors` / `upstream_error_for`).
 
 A request is sent a second time only when the first attempt died on a reused
 pooled connection before its request head was written (the engine restarted

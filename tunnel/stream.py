@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from enum import StrEnum
 from typing import Protocol
 
@@ -103,10 +103,6 @@ class TunnelStream:
         chunk = self._chunks.popleft()
         self._owner.stream_consumed(self.stream_id, len(chunk))
         return chunk
-
-    async def body_chunks(self) -> AsyncIterator[bytes]:
-        while chunk := await self.receive():
-            yield chunk
 
     def send_head(self, status: int, headers: HeaderList, *, end: bool = False) -> None:
         self._check_open()
