@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +23,14 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from pylon.readiness import Readiness
 
-__all__ = ["AdminResponse", "AdminRoutes", "AdminServer", "start_admin"]
+__all__ = [
+    "AdminResponse",
+    "AdminRoutes",
+    "AdminServer",
+    "Respond",
+    "start_admin",
+    "start_admin_server",
+]
 
 logger = logging.getLogger("pylon.admin")
 
@@ -44,6 +51,10 @@ class AdminResponse:
     status: int
     content_type: str
     body: bytes
+
+
+Respond = Callable[[str, str], Awaitable[AdminResponse]]
+"""(method, target) -> response: what the connection loop asks of a route table."""
 
 
 class AdminRoutes:
@@ -78,6 +89,9 @@ class AdminRoutes:
             return AdminResponse(200, TEXT, b"ready\n")
         return AdminResponse(503, TEXT, f"not ready: {', '.join(reasons)}\n".encode())
 
+    async def respond_async(self, method: str, target: str) -> AdminResponse:
+        return self.respond(method, target)
+
 
 class _BadRequest(Exception):
     pass
@@ -87,11 +101,11 @@ class _AdminConnection:
     """h11's server loop for one TCP connection."""
 
     def __init__(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, routes: AdminRoutes
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, respond: Respond
     ) -> None:
         self._reader = reader
         self._writer = writer
-        self._routes = routes
+        self._respond_to = respond
         self._conn = h11.Connection(h11.SERVER)
 
     async def run(self) -> None:
@@ -104,15 +118,15 @@ class _AdminConnection:
             if request is None:
                 return
             method = request.method.decode("ascii", "replace")
-            response = self._respond(method, request.target.decode("latin-1"))
+            response = await self._respond(method, request.target.decode("latin-1"))
             await self._send(response, head_only=method == "HEAD")
             if self._conn.our_state is not h11.DONE or self._conn.their_state is not h11.DONE:
                 return
             self._conn.start_next_cycle()
 
-    def _respond(self, method: str, target: str) -> AdminResponse:
+    async def _respond(self, method: str, target: str) -> AdminResponse:
         try:
-            return self._routes.respond(method, target)
+            return await self._respond_to(method, target)
         except Exception:  # a failing live gauge must not kill the admin server
             logger.exception("admin %s %s failed", method, target)
             return AdminResponse(500, TEXT, b"internal error\n")
@@ -169,8 +183,8 @@ class _AdminConnection:
 class AdminServer:
     """A bound admin listener; `port` is the real port when 0 was asked for."""
 
-    def __init__(self, routes: AdminRoutes) -> None:
-        self._routes = routes
+    def __init__(self, respond: Respond) -> None:
+        self._respond = respond
         self._server: asyncio.Server | None = None
         self._connections: dict[asyncio.Task[Any], asyncio.StreamWriter] = {}
 
@@ -201,7 +215,7 @@ class AdminServer:
         assert task is not None
         self._connections[task] = writer
         try:
-            await _AdminConnection(reader, writer, self._routes).run()
+            await _AdminConnection(reader, writer, self._respond).run()
         except (ConnectionError, h11.LocalProtocolError):
             pass
         except asyncio.CancelledError:
@@ -218,7 +232,12 @@ class AdminServer:
 async def start_admin(
     host: str, port: int, *, registry: CollectorRegistry, readiness: Readiness
 ) -> AdminServer:
-    server = AdminServer(AdminRoutes(registry=registry, readiness=readiness))
+    routes = AdminRoutes(registry=registry, readiness=readiness)
+    return await start_admin_server(host, port, routes.respond_async)
+
+
+async def start_admin_server(host: str, port: int, respond: Respond) -> AdminServer:
+    server = AdminServer(respond)
     await server.listen(host, port)
     logger.info("admin server on %s:%d (/metrics, /healthz, /readyz)", host, server.port)
     return server

@@ -14,6 +14,7 @@ import contextlib
 import logging
 from dataclasses import dataclass, field
 from importlib.metadata import version
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -109,18 +110,24 @@ class RunningPylon:
         return self.tunnel.registry.active_streams() == 0
 
 
-def quic_configuration(settings: Settings) -> QuicConfiguration:
+def certificate_files(settings: Settings) -> tuple[Path, Path]:
+    """The configured certificate and key, or in --dev the generated ones."""
     cert_file, key_file = settings.tls.cert_file, settings.tls.key_file
-    if cert_file is None or key_file is None:
-        if not settings.dev:
-            raise StartupError("a TLS certificate and key are required (--cert/--key), or --dev")
-        cert_file, key_file = ensure_dev_certificate(settings.state_dir)
+    if cert_file is not None and key_file is not None:
+        return cert_file, key_file
+    if not settings.dev:
+        raise StartupError("a TLS certificate and key are required (--cert/--key), or --dev")
+    return ensure_dev_certificate(settings.state_dir)
+
+
+def quic_configuration(settings: Settings) -> QuicConfiguration:
+    cert_file, key_file = certificate_files(settings)
     configuration = QuicConfiguration(is_client=False, idle_timeout=settings.quic_idle_timeout_s)
     configuration.load_cert_chain(cert_file, key_file)
     return configuration
 
 
-async def _start_mock_if_needed(settings: Settings) -> tuple[MockEngine | None, str]:
+async def start_mock_if_needed(settings: Settings) -> tuple[MockEngine | None, str]:
     if settings.upstream.url is not None:
         return None, settings.upstream.url
     if not settings.dev:
@@ -137,8 +144,12 @@ async def start_pylon(
     registry: CollectorRegistry | None = None,
     probe_interval_s: float = PROBE_INTERVAL_S,
     tracer_provider: Any = None,
+    reuse_port: bool = False,
 ) -> RunningPylon:
-    """Start every part; `tracer_provider` lets tests collect spans in memory."""
+    """Start every part; `tracer_provider` lets tests collect spans in memory.
+
+    `reuse_port` is for worker processes sharing one UDP port (`pylon.workers`).
+    """
     registry = registry if registry is not None else CollectorRegistry()
     configuration = quic_configuration(settings)
     try:
@@ -146,7 +157,7 @@ async def start_pylon(
     except AuthSetupError as exc:
         raise StartupError(str(exc)) from exc
     async with contextlib.AsyncExitStack() as stack:  # unwinds only if start-up fails
-        mock_engine, upstream_url = await _start_mock_if_needed(settings)
+        mock_engine, upstream_url = await start_mock_if_needed(settings)
         if mock_engine is not None:
             stack.push_async_callback(mock_engine.close)
         upstream = settings.upstream.model_copy(update={"url": upstream_url})
@@ -171,7 +182,9 @@ async def start_pylon(
             tracing=tracing,
             auth=auth,
         )
-        tunnel = await _start_listener(settings, configuration, service, auth=auth, metrics=metrics)
+        tunnel = await _start_listener(
+            settings, configuration, service, auth=auth, metrics=metrics, reuse_port=reuse_port
+        )
         stack.callback(tunnel.close)
         readiness = Readiness(listener_up=True)
         stack.callback(_mark_listener_down, readiness)
@@ -235,6 +248,7 @@ async def _start_listener(
     *,
     auth: TunnelAuth,
     metrics: Metrics,
+    reuse_port: bool,
 ) -> TunnelServer:
     host, port = split_host_port(settings.listen)
     limits = settings.limits
@@ -259,6 +273,7 @@ async def _start_listener(
             on_connection_refused=metrics.connection_refused,
             on_stream_refused=metrics.request_rejected,
         ),
+        reuse_port=reuse_port,
     )
 
 

@@ -22,9 +22,10 @@ from pydantic import ValidationError
 
 from backends.mock import ENGINE_FLAVOURS, MockEngineOptions, serve_forever
 from backends.registry import BACKEND_TYPES
-from pylon.app import StartupError, start_pylon
+from pylon.app import RunningPylon, StartupError, start_pylon
 from pylon.config import Settings, load_settings, split_host_port
 from pylon.logs import configure_logging
+from pylon.supervisor import RunningSupervisor, supervise_until_signalled
 
 logger = logging.getLogger("pylon")
 
@@ -74,6 +75,7 @@ SERVE_FLAGS: tuple[Flag, ...] = (
         "TCP HOST:PORT for /metrics, /healthz, /readyz",
         metavar="HOST:PORT",
     ),
+    Flag("--workers", "workers", "processes sharing the UDP port (one per core)", int, "N"),
     Flag("--drain-grace-s", "drain_grace_s", "SIGTERM grace for in-flight requests", float, "S"),
     Flag(
         "--quic-idle-timeout-s",
@@ -264,24 +266,32 @@ def run_serve(namespace: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError) as error:
         return _fail(str(error))
     configure_logging(level=settings.log_level, human=settings.dev)
+    serve = (
+        supervise_until_signalled(settings, on_started=_print_supervisor_ready)
+        if settings.workers > 1
+        else serve_until_signalled(settings, on_started=_print_pylon_ready)
+    )
     try:
-        return run_event_loop(_serve_until_signalled(settings), choice=settings.event_loop)
+        return run_event_loop(serve, choice=settings.event_loop)
     except StartupError as error:
         return _fail(str(error))
     except OSError as error:
         return _fail(f"cannot listen: {error}")
 
 
-async def _serve_until_signalled(settings: Settings) -> int:
+async def serve_until_signalled(
+    settings: Settings,
+    *,
+    on_started: Callable[[RunningPylon], None],
+    reuse_port: bool = False,
+) -> int:
     """Serve until SIGTERM/SIGINT, then drain; a second signal stops at once."""
-    pylon = await start_pylon(settings)
+    pylon = await start_pylon(settings, reuse_port=reuse_port)
     signals = asyncio.Queue[int]()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, signals.put_nowait, signum)
-    host, _ = split_host_port(settings.listen)
-    _print_ready(settings, host=host, port=pylon.port, upstream=pylon.upstream_url)
-    print(f"pylon: admin on {split_host_port(settings.admin_listen)[0]}:{pylon.admin_port}")
+    on_started(pylon)
     try:
         await signals.get()
         logger.info("draining", extra={"grace_s": settings.drain_grace_s})
@@ -312,8 +322,29 @@ def run_event_loop(main: Coroutine[Any, Any, int], *, choice: str) -> int:
     return uvloop.run(main)
 
 
-def _print_ready(settings: Settings, *, host: str, port: int, upstream: str) -> None:
-    print(f"pylon: HTTP/3 tunnel on {host}:{port} -> {upstream} (backend {settings.backend.type})")
+def _print_pylon_ready(pylon: RunningPylon) -> None:
+    settings = pylon.settings
+    _print_ready(settings, port=pylon.port, upstream=pylon.upstream_url)
+    print(f"pylon: admin on {split_host_port(settings.admin_listen)[0]}:{pylon.admin_port}")
+    sys.stdout.flush()
+
+
+def _print_supervisor_ready(supervisor: RunningSupervisor) -> None:
+    settings = supervisor.settings
+    _print_ready(settings, port=supervisor.port, upstream=supervisor.upstream_url)
+    print(f"pylon: admin on {split_host_port(settings.admin_listen)[0]}:{supervisor.admin_port}")
+    for worker in supervisor.workers.running():
+        print(f"pylon: worker {worker.index} pid {worker.pid} admin 127.0.0.1:{worker.admin_port}")
+    sys.stdout.flush()
+
+
+def _print_ready(settings: Settings, *, port: int, upstream: str) -> None:
+    host, _ = split_host_port(settings.listen)
+    workers = f", {settings.workers} workers" if settings.workers > 1 else ""
+    print(
+        f"pylon: HTTP/3 tunnel on {host}:{port} -> {upstream}"
+        f" (backend {settings.backend.type}{workers})"
+    )
     if settings.dev:
         cert = settings.tls.cert_file or settings.state_dir / "dev-cert.pem"
         print(

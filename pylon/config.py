@@ -163,6 +163,10 @@ class Settings(BaseSettings):
     quic_ping_interval_s: float = Field(default=15.0, ge=0)
     """Pylon PINGs a tunnel connection silent this long, keeping NAT and firewall
     state alive and finding dead peers; 0 disables. Must be below quic_idle_timeout_s."""
+    workers: int = Field(default=1, ge=1, le=64)
+    """Processes serving the tunnel, each with its own event loop, sharing the UDP
+    port (SO_REUSEPORT); one per core the pod may use. Above 1, a supervisor
+    process restarts workers that die and serves their merged metrics."""
     dev: bool = False
     """Development mode: generated certificate, built-in mock engine, human logs."""
     state_dir: Path = Path(".pylon")

@@ -268,3 +268,41 @@ class Metrics:
     def engine_probed(self, result: ProbeResult, *, ready: bool) -> None:
         self.engine_probes.labels(self.backend, result.value).inc()
         self.engine_ready.labels(self.backend).set(1 if ready else 0)
+
+
+WORKER_EXITS = ("crashed", "unresponsive")
+
+
+class SupervisorMetrics:
+    """The supervisor's own series (`workers > 1`), merged into /metrics with the workers'."""
+
+    def __init__(self, registry: CollectorRegistry, *, configured_workers: int) -> None:
+        self._registry = registry
+        self.workers = Gauge(
+            "pylon_workers", "Worker processes configured (--workers).", registry=registry
+        )
+        self.workers.set(configured_workers)
+        self.restarts = Counter(
+            "pylon_worker_restarts_total",
+            "Worker processes restarted, by why the previous one ended.",
+            ["reason"],
+            registry=registry,
+        )
+        self.scrape_failures = Counter(
+            "pylon_worker_scrape_failures_total",
+            "Worker /metrics scrapes that failed: that scrape lacked the worker's series.",
+            registry=registry,
+        )
+        for reason in WORKER_EXITS:
+            self.restarts.labels(reason)
+
+    def running_gauge(self, read: Callable[[], float]) -> None:
+        """Read at scrape time: a worker being restarted is not counted."""
+        Gauge(
+            "pylon_workers_running",
+            "Worker processes running and serving.",
+            registry=self._registry,
+        ).set_function(read)
+
+    def worker_restarted(self, reason: str) -> None:
+        self.restarts.labels(bounded(reason, WORKER_EXITS)).inc()

@@ -7,13 +7,14 @@ and what a drain uses to send GOAWAY on every connection.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from aioquic.asyncio.server import QuicServer, serve
+from aioquic.asyncio.server import QuicServer
 from aioquic.h3.connection import H3_ALPN, ErrorCode
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.tls import SessionTicket
@@ -92,7 +93,15 @@ async def start_tunnel(
     handler: Handler,
     options: TunnelOptions,
     registry_factory: Callable[[], ConnectionRegistry] = ConnectionRegistry,
+    reuse_port: bool = False,
 ) -> TunnelServer:
+    """Bind the UDP port and serve HTTP/3 on it.
+
+    `reuse_port` lets several worker processes bind the same port: the kernel
+    spreads datagrams over their sockets by a hash of the 4-tuple, so every
+    packet of one connection reaches the same worker while the gateway's
+    address stays put.
+    """
     registry = registry_factory()
     configuration.alpn_protocols = H3_ALPN
     configuration.max_stream_data = options.request_window_bytes
@@ -101,13 +110,15 @@ async def start_tunnel(
         return TunnelProtocol(*args, handler=handler, options=options, registry=registry, **kwargs)
 
     tickets = SingleUseTickets() if options.session_tickets else None
-    server = await serve(
-        host,
-        port,
-        configuration=configuration,
-        create_protocol=create_protocol,
-        session_ticket_fetcher=tickets.take if tickets else None,
-        session_ticket_handler=tickets.add if tickets else None,
+    _, server = await asyncio.get_running_loop().create_datagram_endpoint(
+        lambda: QuicServer(
+            configuration=configuration,
+            create_protocol=create_protocol,
+            session_ticket_fetcher=tickets.take if tickets else None,
+            session_ticket_handler=tickets.add if tickets else None,
+        ),
+        local_addr=(host, port),
+        reuse_port=reuse_port or None,
     )
     _raise_socket_buffers(server, options.udp_buffer_bytes)
     return TunnelServer(server, registry)
