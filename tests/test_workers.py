@@ -1,0 +1,354 @@
+"""Multi-process Pylon: workers on one UDP port, restarts, drain, merged metrics.
+
+End to end through the real `pylon serve --workers N` process tree, real QUIC
+clients on loopback and a mock engine; the merge itself is tested as a pure
+function with generated registries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from backends.mock import MockEngine, MockEngineOptions
+from pylon.config import Settings, TlsSettings
+from pylon.devcert import ensure_dev_certificate
+from pylon.metrics_merge import merge_expositions, render, rule_for
+from pylon.supervisor import worker_settings
+from tests.harness import CHAT, eventually, run, tunnel_headers
+from tests.test_admin import documented_metrics
+from tunnel.client import client_configuration, open_client
+
+BODY = orjson.dumps({"model": "mock-model", "messages": []})
+STREAM_BODY = orjson.dumps({"model": "mock-model", "stream": True, "messages": []})
+INFERENCE_2XX = ("pylon_requests_total", {"route": "inference", "status_class": "2xx"})
+
+
+# --- the merge, as a pure function ------------------------------------------------------
+
+
+def _exposition(requests: int, active: int, ready: int, latencies: list[float]) -> str:
+    registry = CollectorRegistry()
+    counter = Counter("pylon_requests_total", "requests", ["route"], registry=registry)
+    counter.labels("inference").inc(requests)
+    Gauge("pylon_active_streams", "streams", registry=registry).set(active)
+    Gauge("pylon_ready", "ready", registry=registry).set(ready)
+    histogram = Histogram("pylon_ttfb_seconds", "ttfb", buckets=(0.1, 1.0), registry=registry)
+    for latency in latencies:
+        histogram.observe(latency)
+    return generate_latest(registry).decode()
+
+
+def _values(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def _value(text: str, name: str, labels: dict[str, str] | None = None) -> float:
+    wanted = tuple(sorted((labels or {}).items()))
+    matches = [
+        value
+        for (sample, sample_labels), value in _values(text).items()
+        if sample == name and all(item in sample_labels for item in wanted)
+    ]
+    assert matches, f"{name}{labels or ''} not exposed"
+    return sum(matches)
+
+
+WORKER = st.tuples(
+    st.integers(0, 10_000),
+    st.integers(0, 512),
+    st.integers(0, 1),
+    st.lists(st.floats(0, 5, allow_nan=False), max_size=20),
+)
+
+
+@given(st.lists(WORKER, min_size=1, max_size=6))
+def test_merged_series_add_up_except_readiness_which_is_the_minimum(
+    workers: list[tuple[int, int, int, list[float]]],
+) -> None:
+    merged = render(merge_expositions([_exposition(*worker) for worker in workers])).decode()
+    assert _value(merged, "pylon_requests_total") == sum(w[0] for w in workers)
+    assert _value(merged, "pylon_active_streams") == sum(w[1] for w in workers)
+    assert _value(merged, "pylon_ready") == min(w[2] for w in workers)
+    assert _value(merged, "pylon_ttfb_seconds_count") == sum(len(w[3]) for w in workers)
+    latencies = [latency for w in workers for latency in w[3]]
+    assert _value(merged, "pylon_ttfb_seconds_bucket", {"le": "1.0"}) == sum(
+        1 for latency in latencies if latency <= 1.0
+    )
+
+
+@given(st.lists(WORKER, min_size=2, max_size=5), st.randoms())
+def test_merge_does_not_depend_on_worker_order(
+    workers: list[tuple[int, int, int, list[float]]], rng: object
+) -> None:
+    texts = [_exposition(*worker) for worker in workers]
+    shuffled = list(texts)
+    rng.shuffle(shuffled)  # type: ignore[attr-defined]
+    forward = _values(render(merge_expositions(texts)).decode())
+    backward = _values(render(merge_expositions(shuffled)).decode())
+    assert forward.keys() == backward.keys()
+    for key, value in forward.items():
+        assert backward[key] == pytest.approx(value), key
+
+
+@given(WORKER)
+def test_one_worker_merges_to_itself(worker: tuple[int, int, int, list[float]]) -> None:
+    text = _exposition(*worker)
+    assert _values(render(merge_expositions([text])).decode()) == _values(text)
+
+
+@pytest.mark.parametrize(
+    ("family", "kind", "rule"),
+    [
+        ("pylon_requests", "counter", "sum"),
+        ("pylon_requests_created", "gauge", "min"),
+        ("pylon_open_connections", "gauge", "sum"),
+        ("pylon_engine_ready", "gauge", "min"),
+        ("process_start_time_seconds", "gauge", "min"),
+        ("pylon_build_info", "gauge", "max"),
+        ("pylon_request_duration_seconds", "histogram", "sum"),
+    ],
+)
+def test_merge_rules(family: str, kind: str, rule: str) -> None:
+    assert rule_for(family, kind) == rule
+
+
+@pytest.mark.parametrize(
+    ("listen", "expected"),
+    [("127.0.0.1:0", "127.0.0.1:4999"), ("[::1]:0", "[::1]:4999"), ("0.0.0.0:443", "0.0.0.0:4999")],
+)
+def test_worker_settings_pin_port_engine_and_a_private_admin_port(
+    listen: str, expected: str
+) -> None:
+    settings = Settings(listen=listen, workers=4, admin_listen="0.0.0.0:9464", dev=True)
+    tls = TlsSettings(cert_file=Path("c.pem"), key_file=Path("k.pem"))
+    worker = worker_settings(settings, port=4999, upstream_url="http://engine:8000", tls=tls)
+    assert (worker.listen, worker.workers, worker.admin_listen) == (expected, 1, "127.0.0.1:0")
+    assert (worker.upstream.url, worker.tls) == ("http://engine:8000", tls)
+    round_trip = Settings.model_validate(orjson.loads(orjson.dumps(worker.model_dump(mode="json"))))
+    assert round_trip == worker
+
+
+# --- the real process tree ----------------------------------------------------------------
+
+
+@dataclass
+class Tree:
+    process: asyncio.subprocess.Process
+    port: int
+    admin_port: int
+    worker_admin_ports: dict[int, int]
+    """pid -> admin port, as announced at start."""
+
+    async def metrics(self, port: int | None = None) -> str:
+        async with httpx.AsyncClient() as client:
+            response = await client.get(f"http://127.0.0.1:{port or self.admin_port}/metrics")
+        assert response.status_code == 200
+        return response.text
+
+    async def readyz(self) -> int:
+        async with httpx.AsyncClient() as client:
+            return (await client.get(f"http://127.0.0.1:{self.admin_port}/readyz")).status_code
+
+
+async def _ready_line(stdout: asyncio.StreamReader, pattern: str) -> re.Match[str]:
+    line = (await asyncio.wait_for(stdout.readline(), 30)).decode()
+    match = re.search(pattern, line)
+    assert match, line
+    return match
+
+
+@contextlib.asynccontextmanager
+async def pylon_workers(engine: MockEngine, tmp_path: Path, workers: int) -> AsyncIterator[Tree]:
+    cert, key = ensure_dev_certificate(tmp_path)
+    process = await asyncio.create_subprocess_exec(
+        *(sys.executable, "-m", "pylon.cli", "serve", "--insecure-no-auth"),
+        *("--workers", str(workers), "--upstream", engine.url, "--drain-grace-s", "10"),
+        *("--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"),
+        *("--cert", str(cert), "--key", str(key), "--log-level", "warning"),
+        stdout=subprocess.PIPE,
+    )
+    assert process.stdout is not None
+    try:
+        port = int((await _ready_line(process.stdout, r"tunnel on 127\.0\.0\.1:(\d+)")).group(1))
+        admin = int((await _ready_line(process.stdout, r"admin on 127\.0\.0\.1:(\d+)")).group(1))
+        announced = [
+            await _ready_line(process.stdout, r"worker \d+ pid (\d+) admin 127\.0\.0\.1:(\d+)")
+            for _ in range(workers)
+        ]
+        tree = Tree(process, port, admin, {int(m.group(1)): int(m.group(2)) for m in announced})
+        assert await eventually(lambda: _is_ready(tree), within_s=10), "never ready"
+        yield tree
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+
+async def _is_ready(tree: Tree) -> bool:
+    return await tree.readyz() == 200
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with contextlib.suppress(OSError):  # a zombie still answers kill(0)
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    return False
+
+
+async def _requests_on_one_connection(port: int, name: str, count: int) -> list[int]:
+    configuration = client_configuration(verify=False)
+    async with open_client("127.0.0.1", port, configuration=configuration) as client:
+        statuses = []
+        for index in range(count):
+            response = await client.request(
+                "POST", CHAT, headers=tunnel_headers(f"{name}-{index}"), body=BODY
+            )
+            await response.read()
+            statuses.append(response.status)
+        return statuses
+
+
+@pytest.mark.e2e
+def test_connections_spread_over_workers_and_each_stays_on_its_worker(tmp_path: Path) -> None:
+    connections, per_connection = 16, 5
+
+    async def scenario() -> None:
+        engine = MockEngine(MockEngineOptions(tokens=3, token_delay_s=0))
+        await engine.start()
+        try:
+            async with pylon_workers(engine, tmp_path, workers=2) as tree:
+                statuses = await asyncio.gather(
+                    *(
+                        _requests_on_one_connection(tree.port, f"c{n}", per_connection)
+                        for n in range(connections)
+                    )
+                )
+                assert all(status == 200 for batch in statuses for status in batch)
+                per_worker = [
+                    _value(await tree.metrics(port), *INFERENCE_2XX)
+                    for port in tree.worker_admin_ports.values()
+                ]
+                # Every request of a connection reached the worker that accepted it,
+                # so each worker served whole connections: a multiple of five.
+                assert all(served % per_connection == 0 for served in per_worker), per_worker
+                assert all(served > 0 for served in per_worker), f"one worker idle: {per_worker}"
+                worker_cpu = [
+                    _value(await tree.metrics(port), "process_cpu_seconds_total")
+                    for port in tree.worker_admin_ports.values()
+                ]
+                merged = await tree.metrics()
+                assert _value(merged, *INFERENCE_2XX) == connections * per_connection
+                assert _value(merged, "pylon_workers_running") == 2
+                # Process series cover the whole tree: every worker's CPU is inside.
+                assert _value(merged, "process_cpu_seconds_total") >= sum(worker_cpu)
+                scraped = {name for name, _ in _values(merged)}
+                missing = {
+                    name
+                    for name in documented_metrics()
+                    if name not in scraped and name + "_bucket" not in scraped
+                }
+                assert missing == set(), "documented but not served by the supervisor"
+        finally:
+            await engine.close()
+
+    run(scenario(), timeout_s=90)
+
+
+@pytest.mark.e2e
+def test_a_killed_worker_is_restarted_and_the_port_keeps_serving(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        engine = MockEngine(MockEngineOptions(tokens=3, token_delay_s=0))
+        await engine.start()
+        try:
+            async with pylon_workers(engine, tmp_path, workers=2) as tree:
+                victim = next(iter(tree.worker_admin_ports))
+                os.kill(victim, signal.SIGKILL)
+
+                async def restarted() -> bool:
+                    text = await tree.metrics()
+                    return (
+                        _value(text, "pylon_worker_restarts_total", {"reason": "crashed"}) == 1
+                        and _value(text, "pylon_workers_running") == 2
+                    )
+
+                assert await eventually(restarted, within_s=15), "worker not restarted"
+                assert await eventually(lambda: _is_ready(tree), within_s=10)
+                statuses = await asyncio.gather(
+                    *(_requests_on_one_connection(tree.port, f"r{n}", 2) for n in range(8))
+                )
+                assert all(status == 200 for batch in statuses for status in batch)
+        finally:
+            await engine.close()
+
+    run(scenario(), timeout_s=90)
+
+
+@pytest.mark.e2e
+def test_sigterm_drains_every_worker_and_leaves_no_process(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        engine = MockEngine(MockEngineOptions(tokens=20, token_delay_s=0.05))
+        await engine.start()
+        try:
+            async with httpx.AsyncClient() as direct:
+                expected = (
+                    await direct.post(
+                        engine.url + CHAT, content=STREAM_BODY, headers=dict(tunnel_headers("d"))
+                    )
+                ).content
+            configuration = client_configuration(verify=False)
+            async with (
+                pylon_workers(engine, tmp_path, workers=2) as tree,
+                contextlib.AsyncExitStack() as clients,
+            ):
+                responses = []
+                for _ in range(6):  # six connections: both workers get some
+                    client = await clients.enter_async_context(
+                        open_client("127.0.0.1", tree.port, configuration=configuration)
+                    )
+                    responses.append(
+                        await client.request(
+                            "POST", CHAT, headers=tunnel_headers("d"), body=STREAM_BODY
+                        )
+                    )
+                readers = [asyncio.ensure_future(response.read()) for response in responses]
+                await asyncio.sleep(0.2)
+                assert not any(reader.done() for reader in readers), "streams ended too early"
+                tree.process.send_signal(signal.SIGTERM)
+                assert await eventually(lambda: _not_ready(tree), within_s=2)
+                bodies = await asyncio.gather(*readers)
+                assert all(response.status == 200 for response in responses)
+                assert all(body == expected for body in bodies), "an in-flight stream was cut"
+                assert await asyncio.wait_for(tree.process.wait(), 20) == 0
+                assert not [pid for pid in tree.worker_admin_ports if _alive(pid)]
+        finally:
+            await engine.close()
+
+    run(scenario(), timeout_s=90)
+
+
+async def _not_ready(tree: Tree) -> bool:
+    return await tree.readyz() == 503
