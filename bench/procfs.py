@@ -1,8 +1,9 @@
 """CPU time and peak memory of a process, read from /proc (Linux; no psutil).
 
 Strategy: the parsers are pure functions over the files' text (table-tested);
-the readers are one-liners around them. utime + stime count every thread of
-the process (Caddy's goroutines included), in clock ticks.
+the readers are small loops around them. utime + stime count every thread of
+a process (Caddy's goroutines included), in clock ticks; a measured process
+counts with every process below it (Pylon's workers under its supervisor).
 """
 
 from __future__ import annotations
@@ -26,6 +27,25 @@ def parse_stat_ticks(stat: str) -> int:
     after_name = stat[stat.rindex(")") + 2 :].split()
     utime, stime = after_name[11], after_name[12]
     return int(utime) + int(stime)
+
+
+def parse_stat_ppid(stat: str) -> int:
+    """The parent pid (field 4) of a /proc/<pid>/stat line."""
+    return int(stat[stat.rindex(")") + 2 :].split()[1])
+
+
+def process_tree(root: int) -> list[int]:
+    """`root` and every process below it (Pylon's workers under its supervisor)."""
+    children: dict[int, list[int]] = {}
+    for stat_file in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError):
+            pid = int(stat_file.parent.name)
+            children.setdefault(parse_stat_ppid(stat_file.read_text()), []).append(pid)
+    tree, frontier = [root], [root]
+    while frontier:
+        frontier = [child for parent in frontier for child in children.get(parent, [])]
+        tree += frontier
+    return tree
 
 
 def parse_status_kib(status: str, field: str) -> int | None:
@@ -60,14 +80,16 @@ def background_busy_cores(interval_s: float = 1.0) -> float:
 
 
 def parse_udp_drops(proc_net_udp: str, port: int) -> int | None:
-    """Datagrams dropped at the UDP socket bound to `port` (last column of /proc/net/udp),
-    because its receive buffer was full; None when no socket has that port."""
+    """Datagrams dropped at the UDP sockets bound to `port` (last column of /proc/net/udp;
+    several with SO_REUSEPORT workers), because a receive buffer was full; None when no
+    socket has that port."""
     wanted = f":{port:04X}"
-    for line in proc_net_udp.splitlines()[1:]:
-        fields = line.split()
-        if len(fields) > 12 and fields[1].endswith(wanted):
-            return int(fields[-1])
-    return None
+    drops = [
+        int(fields[-1])
+        for fields in map(str.split, proc_net_udp.splitlines()[1:])
+        if len(fields) > 12 and fields[1].endswith(wanted)
+    ]
+    return sum(drops) if drops else None
 
 
 def parse_rcvbuf_errors(proc_net_snmp: str) -> int:
@@ -87,17 +109,32 @@ def udp_rcvbuf_errors() -> int:
 
 
 def cpu_seconds(pid: int) -> float:
-    return parse_stat_ticks(Path(f"/proc/{pid}/stat").read_text()) / CLOCK_TICKS_PER_S
+    """CPU time of `pid` and every process below it."""
+    ticks = 0
+    for member in process_tree(pid):
+        with contextlib.suppress(OSError):  # exited since the walk
+            ticks += parse_stat_ticks(Path(f"/proc/{member}/stat").read_text())
+    return ticks / CLOCK_TICKS_PER_S
 
 
 def peak_rss_bytes(pid: int) -> int | None:
-    kib = parse_status_kib(Path(f"/proc/{pid}/status").read_text(), "VmHWM")
-    return None if kib is None else kib * 1024
+    """Sum of the peak RSS of `pid` and every process below it: an upper bound on the
+    tree's peak, since the processes need not peak at the same moment."""
+    peaks = []
+    for member in process_tree(pid):
+        with contextlib.suppress(OSError):
+            peaks.append(parse_status_kib(Path(f"/proc/{member}/status").read_text(), "VmHWM"))
+    known = [kib for kib in peaks if kib is not None]
+    return sum(known) * 1024 if known else None
 
 
 def reset_peak_rss(pid: int) -> bool:
-    """Start a new VmHWM window; False when the kernel refuses (the peak stays cumulative)."""
-    with contextlib.suppress(OSError):
-        Path(f"/proc/{pid}/clear_refs").write_bytes(RESET_PEAK_RSS)
-        return True
-    return False
+    """Start a new VmHWM window for the tree; False when the kernel refuses one (the
+    peak stays cumulative)."""
+    refused = False
+    for member in process_tree(pid):
+        try:
+            Path(f"/proc/{member}/clear_refs").write_bytes(RESET_PEAK_RSS)
+        except OSError:
+            refused = True
+    return not refused

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -186,8 +188,23 @@ def test_procfs_parsers() -> None:
     )
     assert procfs.parse_udp_drops(udp, 8080) == 332
     assert procfs.parse_udp_drops(udp, 8081) is None
+    second_worker = udp.splitlines()[1].replace("  1:", "  2:").replace(" 332", " 8")
+    assert procfs.parse_udp_drops(udp + second_worker + "\n", 8080) == 340
+    assert procfs.parse_stat_ppid(STAT) == 1
     snmp = "Udp: InDatagrams NoPorts InErrors RcvbufErrors\nUdp: 10 0 7 7\n"
     assert procfs.parse_rcvbuf_errors(snmp) == 7
+
+
+def test_process_tree_and_its_cpu_include_children() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        tree = procfs.process_tree(os.getpid())
+        assert tree[0] == os.getpid() and child.pid in tree
+        assert procfs.cpu_seconds(os.getpid()) >= procfs.cpu_seconds(child.pid)
+        assert procfs.process_tree(child.pid) == [child.pid]
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_cdf_is_monotonic() -> None:
