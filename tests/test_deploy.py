@@ -717,6 +717,7 @@ SEVERITIES = {
     "PylonRequestRejectionsSpike": "warning",
     "PylonNoTraffic": "warning",
     "PylonQueuedBytesHigh": "warning",
+    "PylonWorkerRestarts": "warning",
 }
 
 
@@ -865,6 +866,19 @@ ALERT_CASES = [
             firing,
         )
         for time, firing in (("5m", ()), ("15m", (A,)))
+    ),
+    *(
+        AlertCase(
+            "PylonWorkerRestarts",
+            (
+                _series("pylon_worker_restarts_total", A, "0x5 1 2 3 4x20", reason="crashed"),
+                _series("pylon_worker_restarts_total", B, "0x10 1x20", reason="unresponsive"),
+                _series("pylon_worker_restarts_total", B, "0x10 1x20", reason="crashed"),
+            ),
+            time,
+            firing,
+        )
+        for time, firing in (("6m", ()), ("12m", (A,)), ("25m", ()))
     ),
 ]
 
