@@ -52,19 +52,32 @@ from pylon.config import Settings, TlsSettings, split_host_port
 from pylon.metrics import SupervisorMetrics
 from pylon.metrics_merge import merge_expositions, render
 
-__all__ = ["RunningSupervisor", "WorkerPool", "start_supervisor", "supervise_until_signalled"]
+__all__ = [
+    "PoolTiming",
+    "RunningSupervisor",
+    "WorkerPool",
+    "start_supervisor",
+    "supervise_until_signalled",
+]
 
 logger = logging.getLogger("pylon.supervisor")
 
-WORKER_READY_TIMEOUT_S = 30.0
-"""A worker that has not bound its socket and admin port by then failed to start."""
-RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
-"""Delay before restart number n in a row; a worker that ran STABLE_AFTER_S resets it."""
-STABLE_AFTER_S = 30.0
-HEALTH_CHECK_INTERVAL_S = 5.0
-HEALTH_CHECK_TIMEOUT_S = 2.0
-UNRESPONSIVE_AFTER_CHECKS = 3
-"""Missed /healthz answers in a row before a worker is killed and restarted (~15 s)."""
+
+@dataclass(frozen=True)
+class PoolTiming:
+    """How patient the supervisor is with its workers (tests shorten these)."""
+
+    ready_timeout_s: float = 30.0
+    """A worker that has not bound its socket and admin port by then failed to start."""
+    restart_backoff_s: tuple[float, ...] = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+    """Delay before restart number n in a row; a worker that ran `stable_after_s` resets it."""
+    stable_after_s: float = 30.0
+    health_check_interval_s: float = 5.0
+    health_check_timeout_s: float = 2.0
+    unresponsive_after_checks: int = 3
+    """Missed /healthz answers in a row before a worker is killed and restarted (~15 s)."""
+
+
 ADMIN_QUERY_TIMEOUT_S = 5.0
 """Per worker, for a /metrics or /readyz asked of the supervisor."""
 STOP_MARGIN_S = 5.0
@@ -135,13 +148,13 @@ class WorkerPool:
         count: int,
         metrics: SupervisorMetrics,
         client: httpx.AsyncClient,
-        ready_timeout_s: float = WORKER_READY_TIMEOUT_S,
+        timing: PoolTiming = PoolTiming(),
     ) -> None:
         self._payload = payload
         self._slots: list[Worker | None] = [None] * count
         self._metrics = metrics
         self._client = client
-        self._ready_timeout_s = ready_timeout_s
+        self._timing = timing
         self._stopping = False
         self._unresponsive: set[int] = set()
         self._tasks: list[asyncio.Task[None]] = []
@@ -232,7 +245,9 @@ class WorkerPool:
         return await self._client.get(worker.admin_url(path), timeout=ADMIN_QUERY_TIMEOUT_S)
 
     async def _spawn(self, index: int) -> Worker:
-        return await spawn_worker(index, self._payload, ready_timeout_s=self._ready_timeout_s)
+        return await spawn_worker(
+            index, self._payload, ready_timeout_s=self._timing.ready_timeout_s
+        )
 
     async def _keep_running(self, index: int) -> None:
         failures_in_a_row = 0
@@ -247,9 +262,10 @@ class WorkerPool:
                 self._unresponsive.discard(index)
                 logger.error("worker %d (pid %d) %s, status %s", index, worker.pid, reason, code)
                 self._metrics.worker_restarted(reason)
-                stable = loop.time() - worker.started_at >= STABLE_AFTER_S
+                stable = loop.time() - worker.started_at >= self._timing.stable_after_s
                 failures_in_a_row = 0 if stable else failures_in_a_row
-            delay = RESTART_BACKOFF_S[min(failures_in_a_row, len(RESTART_BACKOFF_S) - 1)]
+            backoff = self._timing.restart_backoff_s
+            delay = backoff[min(failures_in_a_row, len(backoff) - 1)]
             await asyncio.sleep(delay)
             if self._stopping:
                 return
@@ -266,11 +282,13 @@ class WorkerPool:
     async def _check_health(self) -> None:
         misses: dict[int, int] = {}
         while True:
-            await asyncio.sleep(HEALTH_CHECK_INTERVAL_S)
+            await asyncio.sleep(self._timing.health_check_interval_s)
             workers = self.running()
             answers = await asyncio.gather(
                 *(
-                    self._client.get(w.admin_url("/healthz"), timeout=HEALTH_CHECK_TIMEOUT_S)
+                    self._client.get(
+                        w.admin_url("/healthz"), timeout=self._timing.health_check_timeout_s
+                    )
                     for w in workers
                 ),
                 return_exceptions=True,
@@ -280,7 +298,8 @@ class WorkerPool:
                 for worker, answer in zip(workers, answers, strict=True)
             }
             for worker in workers:
-                if misses[worker.pid] >= UNRESPONSIVE_AFTER_CHECKS and not self._stopping:
+                missed = misses[worker.pid] >= self._timing.unresponsive_after_checks
+                if missed and not self._stopping:
                     logger.error(
                         "worker %d (pid %d) stopped answering /healthz", worker.index, worker.pid
                     )
@@ -388,7 +407,10 @@ def worker_settings(
 
 
 async def start_supervisor(
-    settings: Settings, *, registry: CollectorRegistry | None = None
+    settings: Settings,
+    *,
+    registry: CollectorRegistry | None = None,
+    timing: PoolTiming = PoolTiming(),
 ) -> RunningSupervisor:
     registry = registry if registry is not None else CollectorRegistry()
     cert_file, key_file = certificate_files(settings)
@@ -415,6 +437,7 @@ async def start_supervisor(
             count=settings.workers,
             metrics=metrics,
             client=client,
+            timing=timing,
         )
         await pool.start()
         stack.push_async_callback(pool.stop, timeout_s=_worker_stop_timeout(settings))

@@ -27,10 +27,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.parser import text_string_to_metric_families
 
 from backends.mock import MockEngine, MockEngineOptions
-from pylon.config import Settings, TlsSettings
+from pylon.config import AuthSettings, Settings, TlsSettings, UpstreamSettings
 from pylon.devcert import ensure_dev_certificate
 from pylon.metrics_merge import merge_expositions, render, rule_for
-from pylon.supervisor import worker_settings
+from pylon.supervisor import PoolTiming, start_supervisor, worker_settings
 from tests.harness import CHAT, eventually, run, tunnel_headers
 from tests.test_admin import documented_metrics
 from tunnel.client import client_configuration, open_client
@@ -352,3 +352,69 @@ def test_sigterm_drains_every_worker_and_leaves_no_process(tmp_path: Path) -> No
 
 async def _not_ready(tree: Tree) -> bool:
     return await tree.readyz() == 503
+
+
+@pytest.mark.e2e
+def test_a_hung_worker_is_killed_and_restarted(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        engine = MockEngine(MockEngineOptions(tokens=3, token_delay_s=0))
+        await engine.start()
+        cert, key = ensure_dev_certificate(tmp_path)
+        settings = Settings(
+            listen="127.0.0.1:0",
+            admin_listen="127.0.0.1:0",
+            workers=2,
+            log_level="warning",
+            upstream=UpstreamSettings(url=engine.url),
+            tls=TlsSettings(cert_file=cert, key_file=key),
+            auth=AuthSettings(insecure_no_auth=True),
+        )
+        registry = CollectorRegistry()
+        impatient = PoolTiming(
+            health_check_interval_s=0.2,
+            health_check_timeout_s=0.2,
+            unresponsive_after_checks=2,
+            restart_backoff_s=(0.1,),
+        )
+        supervisor = await start_supervisor(settings, registry=registry, timing=impatient)
+        try:
+            hung = supervisor.workers.running()[0]
+            os.kill(hung.pid, signal.SIGSTOP)  # its event loop stops answering /healthz
+
+            def replaced() -> bool:
+                text = generate_latest(registry).decode()
+                pids = {worker.pid for worker in supervisor.workers.running()}
+                return (
+                    _value(text, "pylon_worker_restarts_total", {"reason": "unresponsive"}) == 1
+                    and len(pids) == 2
+                    and hung.pid not in pids
+                )
+
+            assert await eventually(replaced, within_s=20), "hung worker not replaced"
+            assert not _alive(hung.pid)
+            statuses = await asyncio.gather(
+                *(_requests_on_one_connection(supervisor.port, f"h{n}", 2) for n in range(6))
+            )
+            assert all(status == 200 for batch in statuses for status in batch)
+        finally:
+            await supervisor.close()
+            await engine.close()
+
+    run(scenario(), timeout_s=90)
+
+
+def test_a_worker_that_cannot_start_fails_the_start_with_its_reason(tmp_path: Path) -> None:
+    missing = tmp_path / "missing.pem"
+    result = subprocess.run(
+        [
+            *(sys.executable, "-m", "pylon.cli", "serve", "--insecure-no-auth", "--workers", "2"),
+            *("--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"),
+            *("--upstream", "http://127.0.0.1:9", "--cert", str(missing), "--key", str(missing)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode != 0
+    assert "missing.pem" in result.stderr, result.stderr
+    assert re.search(r"worker \d exited with status \d+ before it was ready", result.stderr)
