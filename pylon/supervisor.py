@@ -78,8 +78,10 @@ class PoolTiming:
     """Missed /healthz answers in a row before a worker is killed and restarted (~15 s)."""
 
 
-ADMIN_QUERY_TIMEOUT_S = 5.0
-"""Per worker, for a /metrics or /readyz asked of the supervisor."""
+METRICS_QUERY_TIMEOUT_S = 5.0
+"""Per worker, for a /metrics asked of the supervisor (Prometheus waits 10 s by default)."""
+READYZ_QUERY_TIMEOUT_S = 1.0
+"""Per worker, for a /readyz asked of the supervisor: below the kubelet's 2 s probe timeout."""
 STOP_MARGIN_S = 5.0
 """Past a worker's own drain grace and cut settling, before it is killed."""
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
@@ -209,7 +211,7 @@ class WorkerPool:
     async def scrape(self) -> list[str]:
         """Each running worker's /metrics text; a worker that fails is left out and counted."""
         answers = await asyncio.gather(
-            *(self._get(worker, "/metrics") for worker in self.running()),
+            *(self._get(w, "/metrics", METRICS_QUERY_TIMEOUT_S) for w in self.running()),
             return_exceptions=True,
         )
         texts = []
@@ -225,7 +227,8 @@ class WorkerPool:
         reasons = [f"worker {index} restarting" for index in self._missing()]
         workers = self.running()
         answers = await asyncio.gather(
-            *(self._get(worker, "/readyz") for worker in workers), return_exceptions=True
+            *(self._get(w, "/readyz", READYZ_QUERY_TIMEOUT_S) for w in workers),
+            return_exceptions=True,
         )
         for worker, answer in zip(workers, answers, strict=True):
             if not isinstance(answer, httpx.Response):
@@ -241,8 +244,8 @@ class WorkerPool:
             if worker is None or not worker.running
         ]
 
-    async def _get(self, worker: Worker, path: str) -> httpx.Response:
-        return await self._client.get(worker.admin_url(path), timeout=ADMIN_QUERY_TIMEOUT_S)
+    async def _get(self, worker: Worker, path: str, timeout_s: float) -> httpx.Response:
+        return await self._client.get(worker.admin_url(path), timeout=timeout_s)
 
     async def _spawn(self, index: int) -> Worker:
         return await spawn_worker(
