@@ -146,14 +146,11 @@ class KeepAlivePool(Generic[C]):
 
     def _take_idle(self, origin: Origin, now: float) -> C | None:
         idle = self._idle.get(origin)
+        # The oldest sit at the left: trim the expired, then reuse the freshest live one.
+        while idle and self._expired(idle[0][0], now):
+            self._drop_oldest(idle)
         while idle:
-            since, connection = idle[-1]
-            if self._expired(since, now):
-                # Everything to its left went idle earlier, so it expired too.
-                while idle:
-                    self._drop_oldest(idle)
-                return None
-            idle.pop()
+            connection = idle.pop()[1]
             self._idle_count -= 1
             if connection.alive():
                 return connection
