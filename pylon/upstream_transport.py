@@ -159,6 +159,8 @@ def _framed(
     body: bytes | AsyncIterable[bytes]
     if isinstance(stream, httpx.ByteStream):
         body = b"".join(stream)
+    elif isinstance(stream, bytes | bytearray | memoryview):
+        body = bytes(stream)
     elif isinstance(stream, AsyncIterable):
         body = stream
     else:

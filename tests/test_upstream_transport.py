@@ -424,6 +424,18 @@ def test_a_buffered_request_body_goes_with_content_length() -> None:
     run(scenario())
 
 
+@pytest.mark.parametrize("raw", [bytearray(b"abc"), memoryview(b"abc")], ids=type)
+def test_a_bytes_like_request_stream_is_sent_as_is(raw: bytearray | memoryview) -> None:
+    async def scenario() -> None:
+        async with Engine(ok) as engine, transport() as h11:
+            request = httpx.Request("POST", engine.url, content=b"...")
+            request.stream = raw  # type: ignore[assignment]
+            response = await h11.handle_async_request(request)
+            assert await response.aread() == b"ok:abc"
+
+    run(scenario())
+
+
 def _chunked(body: bytes, sizes: list[int]) -> bytes:
     out, offset = b"", 0
     for size in [*sizes, len(body)]:
