@@ -160,6 +160,12 @@ SERVE_FLAGS: tuple[Flag, ...] = (
     ),
     Flag("--total-timeout-s", "upstream.total_timeout_s", "deadline per request", float, "S"),
     Flag(
+        "--upstream-transport",
+        "upstream.transport",
+        "HTTP/1.1 client: h11 (default) or httpcore (httpx's stock)",
+        metavar="NAME",
+    ),
+    Flag(
         "--tracing",
         "tracing.enabled",
         "OpenTelemetry spans (OTLP, configured by OTEL_*)",

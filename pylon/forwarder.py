@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterable, AsyncIterator, Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,27 +33,44 @@ from pylon.errors import (
     upstream_error_for,
 )
 from pylon.tunnel_headers import REQUEST_ID, strip_hop_by_hop
+from pylon.upstream_transport import H11Transport
 
 logger = logging.getLogger("pylon.forwarder")
 
 KEEPALIVE_EXPIRY_S = 30.0
 """Below common engine servers' idle keep-alive (uvicorn 5 s is the exception:
-httpcore discards connections the server already closed before reuse)."""
+both transports discard connections the server already closed before reuse)."""
 
 
-def build_upstream_client(settings: UpstreamSettings) -> httpx.AsyncClient:
+def upstream_limits(settings: UpstreamSettings) -> httpx.Limits:
+    return httpx.Limits(
+        max_connections=settings.max_connections,
+        max_keepalive_connections=settings.max_keepalive_connections,
+        keepalive_expiry=KEEPALIVE_EXPIRY_S,
+    )
+
+
+UPSTREAM_TRANSPORTS: dict[str, Callable[[httpx.Limits], httpx.AsyncBaseTransport]] = {
+    "h11": lambda limits: H11Transport(limits=limits),
+    "httpcore": lambda limits: httpx.AsyncHTTPTransport(limits=limits, trust_env=False),
+}
+"""`upstream.transport` -> transport. h11 is Pylon's own (about half httpcore's CPU,
+docs/performance.md); httpcore is httpx's stock transport, kept as a fallback."""
+
+
+def build_upstream_client(
+    settings: UpstreamSettings, *, transport: httpx.AsyncBaseTransport | None = None
+) -> httpx.AsyncClient:
+    """`transport` replaces the configured one (tests inject failures through it)."""
     timeout = httpx.Timeout(
         connect=settings.connect_timeout_s,
         read=None,
         write=settings.idle_timeout_s,
         pool=settings.pool_timeout_s,
     )
-    limits = httpx.Limits(
-        max_connections=settings.max_connections,
-        max_keepalive_connections=settings.max_keepalive_connections,
-        keepalive_expiry=KEEPALIVE_EXPIRY_S,
-    )
-    return httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False)
+    if transport is None:
+        transport = UPSTREAM_TRANSPORTS[settings.transport](upstream_limits(settings))
+    return httpx.AsyncClient(transport=transport, timeout=timeout, trust_env=False)
 
 
 @dataclass(frozen=True)
@@ -146,7 +163,8 @@ def response_headers(
 
 @dataclass
 class AttemptTrace:
-    """What httpcore reported about one attempt, through its `trace` request extension."""
+    """What the transport reported about one attempt, through the `trace` request
+    extension (httpcore's event names; `H11Transport` emits the same)."""
 
     new_connection: bool = False
     """A TCP connection was opened for this attempt (else a pooled one was reused)."""

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import ssl
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -27,8 +28,9 @@ import pytest
 from backends.mock import MockEngine, MockEngineOptions
 from pylon.config import UpstreamSettings
 from pylon.errors import UpstreamReset
-from pylon.forwarder import Forwarder, build_upstream_client
+from pylon.forwarder import Forwarder, build_upstream_client, upstream_limits
 from pylon.readiness import ProbeResult
+from pylon.upstream_transport import H11Transport
 from tests.harness import CHAT, Stack, eventually, run, stack, tunnel_headers
 from tunnel.client import H3Client
 from tunnel.types import StreamAborted
@@ -182,8 +184,8 @@ def test_engine_restart_between_requests_needs_no_pylon_restart(
 
     with caplog.at_level(logging.WARNING, logger="pylon.forwarder"):
         run(scenario())
-    # httpcore drops an idle connection whose socket turned readable (the old
-    # engine's RST) before reusing it, so no retry was needed here.
+    # The transport drops an idle connection the old engine closed before
+    # reusing it, so no retry was needed here.
     assert not [r for r in caplog.records if r.name == "pylon.forwarder"]
 
 
@@ -228,8 +230,40 @@ class _BreakingStream(httpcore.AsyncNetworkStream):
         return self._inner.get_extra_info(info)
 
 
+class _BreakingReader(asyncio.StreamReader):
+    def __init__(self, backend: BreakingBackend) -> None:
+        super().__init__()
+        self._backend = backend
+
+    async def read(self, n: int = -1) -> bytes:
+        if self._backend.take("read"):
+            raise ConnectionResetError("connection reset by peer (injected)")
+        return await super().read(n)
+
+
+class _BreakingWriter(asyncio.StreamWriter):
+    def __init__(
+        self,
+        transport: asyncio.Transport,
+        protocol: asyncio.StreamReaderProtocol,
+        reader: asyncio.StreamReader,
+        backend: BreakingBackend,
+    ) -> None:
+        super().__init__(transport, protocol, reader, asyncio.get_running_loop())
+        self._backend = backend
+
+    def write(self, data: Any) -> None:
+        if self._backend.take("write"):
+            self.transport.abort()  # the engine is gone: the write is lost, reads fail too
+        super().write(data)
+
+
 class BreakingBackend(httpcore.AsyncNetworkBackend):
-    """Real TCP; once armed, the next read or write on any connection fails once."""
+    """Real TCP; once armed, the next read or write on any connection fails once.
+
+    Both transports' network edges: httpcore's network backend, and the h11
+    transport's `open_connection`.
+    """
 
     def __init__(self) -> None:
         self._inner = httpcore.AnyIOBackend()
@@ -256,6 +290,16 @@ class BreakingBackend(httpcore.AsyncNetworkBackend):
         self.connections += 1
         return _BreakingStream(inner, self)
 
+    async def open_connection(
+        self, host: str, port: int, tls: ssl.SSLContext | None
+    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        reader = _BreakingReader(self)
+        protocol = asyncio.StreamReaderProtocol(reader)
+        loop = asyncio.get_running_loop()
+        transport, _ = await loop.create_connection(lambda: protocol, host, port, ssl=tls)
+        self.connections += 1
+        return reader, _BreakingWriter(transport, protocol, reader, self)
+
     async def sleep(self, seconds: float) -> None:
         await self._inner.sleep(seconds)
 
@@ -276,14 +320,22 @@ async def _forward(forwarder: Forwarder, request_id: str, *, streamed: bool = Fa
 
 
 @contextlib.asynccontextmanager
-async def breaking_forwarder() -> AsyncIterator[tuple[Forwarder, BreakingBackend, MockEngine]]:
+async def breaking_forwarder(
+    transport: str,
+) -> AsyncIterator[tuple[Forwarder, BreakingBackend, MockEngine]]:
     engine = MockEngine(ENGINE)
     await engine.start()
-    settings = UpstreamSettings(url=engine.url)
-    client = build_upstream_client(settings)
+    settings = UpstreamSettings(url=engine.url, transport=transport)
     backend = BreakingBackend()
-    # httpx has no public hook for httpcore's network backend; tests only.
-    client._transport._pool._network_backend = backend  # type: ignore[attr-defined]
+    if transport == "h11":
+        h11_transport = H11Transport(
+            limits=upstream_limits(settings), open_connection=backend.open_connection
+        )
+        client = build_upstream_client(settings, transport=h11_transport)
+    else:
+        client = build_upstream_client(settings)
+        # httpx has no public hook for httpcore's network backend; tests only.
+        client._transport._pool._network_backend = backend  # type: ignore[attr-defined]
     try:
         yield Forwarder(client, settings), backend, engine
     finally:
@@ -295,10 +347,16 @@ def _seen(engine: MockEngine, request_id: str) -> int:
     return sum(1 for r in engine.snapshot()["requests"] if r["x_request_id"] == request_id)
 
 
+TRANSPORTS = pytest.mark.parametrize("transport", ["h11", "httpcore"])
+
+
+@TRANSPORTS
 @pytest.mark.parametrize("streamed", [False, True], ids=["buffered-body", "streamed-body"])
-def test_reused_connection_dead_before_the_head_is_retried_once(streamed: bool) -> None:
+def test_reused_connection_dead_before_the_head_is_retried_once(
+    transport: str, streamed: bool, caplog: pytest.LogCaptureFixture
+) -> None:
     async def scenario() -> None:
-        async with breaking_forwarder() as (forwarder, backend, engine):
+        async with breaking_forwarder(transport) as (forwarder, backend, engine):
             assert (await _forward(forwarder, "first")).endswith(b"[DONE]\n\n")
             backend.armed = "write"  # the pooled connection dies before the next head
             second = await _forward(forwarder, "second", streamed=streamed)
@@ -307,12 +365,17 @@ def test_reused_connection_dead_before_the_head_is_retried_once(streamed: bool) 
             assert record["body_sha256"] == hashlib.sha256(STREAM_BODY).hexdigest()
             assert backend.connections == 2, "the retry should have opened a fresh connection"
 
-    run(scenario())
+    with caplog.at_level(logging.WARNING, logger="pylon.forwarder"):
+        run(scenario())
+    assert [r.message for r in caplog.records if r.name == "pylon.forwarder"] == [
+        "engine closed a pooled connection before the request; retrying once"
+    ]
 
 
-def test_failure_after_the_head_went_out_is_never_retried() -> None:
+@TRANSPORTS
+def test_failure_after_the_head_went_out_is_never_retried(transport: str) -> None:
     async def scenario() -> None:
-        async with breaking_forwarder() as (forwarder, backend, engine):
+        async with breaking_forwarder(transport) as (forwarder, backend, engine):
             await _forward(forwarder, "first")
             backend.armed = "read"  # the head and body were written: the engine has the request
             with pytest.raises(UpstreamReset) as failed:
