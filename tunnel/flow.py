@@ -63,6 +63,11 @@ class ConsumptionCredit:
             self._unread[stream_id] -= byte_count
 
     def _write_stream_limits(self, builder: QuicPacketBuilder, space: Any, stream: Any) -> None:
+        # aioquic calls this for every stream on every packet it builds. Once the
+        # peer's data is all in (FIN or reset), no credit is left to grant (RFC
+        # 9000 §4.5): return before any work, which is most streams of an SSE load.
+        if stream.receiver.is_finished:
+            return
         unread = self._unread.get(stream.stream_id)
         if unread is None or not stream.max_stream_data_local:
             self._default_write_stream_limits(builder=builder, space=space, stream=stream)
