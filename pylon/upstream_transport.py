@@ -21,8 +21,15 @@ import asyncio
 import math
 import ssl
 import sys
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping
-from typing import Any
+from collections.abc import (
+    AsyncIterable,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterable,
+    Mapping,
+)
+from typing import Any, SupportsIndex, cast
 
 import h11
 import httpx
@@ -34,29 +41,56 @@ READ_BYTES = 64 * 1024
 
 DEFAULT_PORTS = {"http": 80, "https": 443}
 
-Streams = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+
+class UpstreamReader(asyncio.StreamReader):
+    """A StreamReader that counts the bytes fed to it.
+
+    asyncio offers no public way to see buffered bytes; the count lets a
+    connection idle in the pool tell that the engine wrote to it unasked.
+    """
+
+    fed_bytes = 0
+
+    def feed_data(self, data: Iterable[SupportsIndex]) -> None:
+        self.fed_bytes += len(cast(bytes, data))  # transports feed bytes; the stub says more
+        super().feed_data(data)
+
+
+Streams = tuple[UpstreamReader, asyncio.StreamWriter]
 OpenConnection = Callable[[str, int, ssl.SSLContext | None], Awaitable[Streams]]
 Trace = Callable[[str, Mapping[str, Any]], Awaitable[None]]
 
 
 async def open_tcp(host: str, port: int, tls: ssl.SSLContext | None) -> Streams:
-    return await asyncio.open_connection(
-        host, port, ssl=tls, server_hostname=host if tls is not None else None
+    """As `asyncio.open_connection`, with an `UpstreamReader`."""
+    loop = asyncio.get_running_loop()
+    reader = UpstreamReader(loop=loop)
+    protocol = asyncio.StreamReaderProtocol(reader, loop=loop)
+    transport, _ = await loop.create_connection(
+        lambda: protocol, host, port, ssl=tls, server_hostname=host if tls is not None else None
     )
+    return reader, asyncio.StreamWriter(transport, protocol, reader, loop)
 
 
 class _Connection:
     """One HTTP/1.1 connection: asyncio streams and the h11 state machine for them."""
 
-    def __init__(self, origin: Origin, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+    def __init__(self, origin: Origin, reader: UpstreamReader, writer: asyncio.StreamWriter):
         self.origin = origin
         self._reader = reader
         self._writer = writer
         self._h11 = h11.Connection(h11.CLIENT)
+        self._read_bytes = 0
 
     def alive(self) -> bool:
+        """Between exchanges: open, and nothing arrived that no request asked for.
+
+        Unread bytes on an idle connection (a 408 on idle timeout, say) would
+        otherwise be read as the next request's response.
+        """
         return not (
-            self._reader.at_eof()
+            self._reader.fed_bytes != self._read_bytes
+            or self._reader.at_eof()
             or self._reader.exception() is not None
             or self._writer.transport.is_closing()
         )
@@ -113,6 +147,7 @@ class _Connection:
                 else:
                     async with asyncio.timeout(read_timeout_s):
                         data = await self._reader.read(READ_BYTES)
+                self._read_bytes += len(data)
                 self._h11.receive_data(data)
         except TimeoutError as exc:
             raise httpx.ReadTimeout("engine sent nothing within the read timeout") from exc

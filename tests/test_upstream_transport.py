@@ -356,6 +356,40 @@ def test_a_connection_the_engine_closed_while_idle_is_not_reused() -> None:
     run(scenario())
 
 
+REQUEST_TIMEOUT = b"HTTP/1.1 408 Request Timeout\r\nconnection: close\r\ncontent-length: 0\r\n\r\n"
+
+
+@pytest.mark.parametrize("then_close", [True, False], ids=["then-close", "left-open"])
+def test_bytes_the_engine_sends_to_an_idle_connection_retire_it(then_close: bool) -> None:
+    """A 408 on idle timeout (as some servers send) is nobody's response: never the next one's."""
+
+    async def scenario() -> None:
+        idle, sent = asyncio.Event(), asyncio.Event()
+
+        async def time_out_when_idle(exchange: Exchange) -> None:
+            await exchange.reply(b"first" if engine.connections == 1 else b"second")
+            if engine.connections == 1:
+                await idle.wait()  # separately from the response: h11 would see it trailing
+                await exchange.write_raw(REQUEST_TIMEOUT)
+                if then_close:
+                    exchange.writer.close()
+                sent.set()
+
+        trace = Trace()
+        async with Engine(time_out_when_idle) as engine, client(h11 := transport()) as http:
+            assert (await http.get(engine.url)).content == b"first"
+            idle.set()
+            await sent.wait()
+            await asyncio.sleep(0.05)  # the 408 reaches the client's idle connection
+            response = await http.get(engine.url, extensions={"trace": trace})
+            assert (response.status_code, response.content) == (200, b"second")
+            assert trace.events.count("connection.connect_tcp.started") == 1
+            assert engine.connections == 2
+            assert h11.stats().open == 1
+
+    run(scenario())
+
+
 def test_connection_close_from_the_engine_is_honoured() -> None:
     async def scenario() -> None:
         async def closing(exchange: Exchange) -> None:
