@@ -43,17 +43,28 @@ DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
 class UpstreamReader(asyncio.StreamReader):
-    """A StreamReader that counts the bytes fed to it.
+    """A StreamReader that counts the bytes fed to it and yields them all before an error.
 
     asyncio offers no public way to see buffered bytes; the count lets a
     connection idle in the pool tell that the engine wrote to it unasked.
+    And asyncio's reader raises a connection error ahead of the bytes still
+    buffered, losing a response the engine sent just before a reset: here
+    the error ends the stream like EOF, and `exception()` says why.
     """
 
     fed_bytes = 0
+    _error: Exception | None = None
 
     def feed_data(self, data: Iterable[SupportsIndex]) -> None:
         self.fed_bytes += len(cast(bytes, data))  # transports feed bytes; the stub says more
         super().feed_data(data)
+
+    def set_exception(self, exc: Exception) -> None:
+        self._error = exc
+        self.feed_eof()
+
+    def exception(self) -> Exception | None:
+        return self._error
 
 
 Streams = tuple[UpstreamReader, asyncio.StreamWriter]
@@ -108,8 +119,13 @@ class _Connection:
 
     async def send_request(
         self, request: httpx.Request, *, write_timeout_s: float | None, trace: Trace | None
-    ) -> None:
-        """Write the request; exceptions from a streamed body's own iterator pass through."""
+    ) -> h11.Response | None:
+        """Write the request; exceptions from a streamed body's own iterator pass through.
+
+        Returns the response head when the engine answered and closed before it
+        took the whole request (a 413 for a large upload); then the write failure
+        is not the outcome, as with httpcore.
+        """
         headers, body = _framed(request)
         data = self._encode(
             h11.Request(method=request.method, target=request.url.raw_path, headers=headers)
@@ -123,13 +139,35 @@ class _Connection:
             if trace is not None:
                 await trace("http11.send_request_headers.failed", {"exception": error})
             raise error
-        await self._drain(write_timeout_s)
-        if not isinstance(body, bytes):
-            async for chunk in body:
-                self._writer.write(self._send_body(chunk, end=False))
-                await self._drain(write_timeout_s)
-            self._writer.write(self._send_body(b""))
+        try:
             await self._drain(write_timeout_s)
+            if not isinstance(body, bytes):
+                await self._send_stream(body, write_timeout_s)
+        except httpx.WriteError:
+            head = await self._early_response()
+            if head is None:
+                raise
+            return head
+        return None
+
+    async def _send_stream(self, body: AsyncIterable[bytes], write_timeout_s: float | None) -> None:
+        async for chunk in body:
+            self._writer.write(self._send_body(chunk, end=False))
+            await self._drain(write_timeout_s)
+        self._writer.write(self._send_body(b""))
+        await self._drain(write_timeout_s)
+
+    async def _early_response(self) -> h11.Response | None:
+        """After a failed write: the response head, if the engine sent one before it closed.
+
+        The connection is lost already; the abort makes sure of it, so the read
+        takes what arrived and never waits for more.
+        """
+        self._writer.transport.abort()
+        try:
+            return await self.receive_head(read_timeout_s=None)
+        except httpx.TransportError:
+            return None
 
     async def receive_head(self, *, read_timeout_s: float | None) -> h11.Response:
         while True:
@@ -147,6 +185,8 @@ class _Connection:
                 else:
                     async with asyncio.timeout(read_timeout_s):
                         data = await self._reader.read(READ_BYTES)
+                if not data and (error := self._reader.exception()) is not None:
+                    raise error
                 self._read_bytes += len(data)
                 self._h11.receive_data(data)
         except TimeoutError as exc:
@@ -239,10 +279,11 @@ class H11Transport(httpx.AsyncBaseTransport):
         trace: Trace | None = request.extensions.get("trace")
         connection = await self._connection(request, timeouts, trace)
         try:
-            await connection.send_request(
+            head = await connection.send_request(
                 request, write_timeout_s=timeouts.get("write"), trace=trace
             )
-            head = await connection.receive_head(read_timeout_s=timeouts.get("read"))
+            if head is None:
+                head = await connection.receive_head(read_timeout_s=timeouts.get("read"))
         except BaseException:
             self._pool.discard(connection)
             raise

@@ -707,6 +707,46 @@ def test_an_engine_that_stops_reading_is_a_write_timeout() -> None:
     run(scenario())
 
 
+TOO_LARGE = (
+    b"HTTP/1.1 413 Payload Too Large\r\nconnection: close\r\ncontent-length: 9\r\n\r\ntoo large"
+)
+
+
+@pytest.mark.parametrize("answer", [TOO_LARGE, b""], ids=["413", "no answer"])
+def test_an_answer_before_the_upload_ends_is_the_response(answer: bytes) -> None:
+    """The engine refuses a large body part-way and closes: the write fails, but a 413
+    that arrived first is the response (as httpcore reads it); with none, the write error."""
+
+    async def scenario() -> None:
+        async def refuse_early(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.read(65536)  # the head and a little of the body
+            writer.write(answer)
+            await writer.drain()
+            writer.close()  # with most of the body unread: the client's writes fail
+
+        server = await asyncio.start_server(refuse_early, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/"
+        trace = Trace()
+        try:
+            async with client(h11 := transport()) as http:
+                big = _pieces(bytes(1 << 20) * 64, 1 << 20)
+                request = http.build_request("POST", url, content=big, extensions={"trace": trace})
+                if answer:
+                    response = await http.send(request)
+                    assert (response.status_code, response.content) == (413, b"too large")
+                else:
+                    with pytest.raises(httpx.WriteError) as failed:
+                        await http.send(request)
+                    assert type(upstream_error_for(failed.value)) is UpstreamReset
+                assert "http11.send_request_headers.failed" not in trace.events
+                assert h11.stats().open == 0
+        finally:
+            server.close()
+            await server.wait_closed()
+
+    run(scenario())
+
+
 def test_a_dead_connection_fails_the_head_write_and_says_so() -> None:
     """The retry rule's input: the trace reports a head that never left."""
 
