@@ -30,7 +30,8 @@ from pylon.config import UpstreamSettings
 from pylon.errors import UpstreamReset
 from pylon.forwarder import Forwarder, build_upstream_client, upstream_limits
 from pylon.readiness import ProbeResult
-from pylon.upstream_transport import H11Transport, Streams, UpstreamReader
+from pylon.upstream_connection import Streams, UpstreamReader
+from pylon.upstream_transport import H11Transport
 from tests.harness import CHAT, Stack, eventually, run, stack, tunnel_headers
 from tunnel.client import H3Client
 from tunnel.types import StreamAborted

@@ -36,7 +36,8 @@ from pylon.errors import (
     UpstreamUnreachable,
     upstream_error_for,
 )
-from pylon.upstream_transport import H11Transport, Streams, open_tcp
+from pylon.upstream_connection import Streams, open_tcp
+from pylon.upstream_transport import H11Transport
 from tests.harness import CHAT, eventually, run
 
 LIMITS = httpx.Limits(max_connections=8, max_keepalive_connections=8, keepalive_expiry=30.0)
