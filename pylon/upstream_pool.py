@@ -29,7 +29,7 @@ class Poolable(Protocol):
     origin: Origin
 
     def alive(self) -> bool:
-        """False once the peer closed it or it broke (never hand it out then)."""
+        """False once the peer closed it, broke it or wrote to it unasked (never hand it out)."""
 
     def close(self) -> None: ...
 

@@ -12,7 +12,9 @@ the engine sees the disconnect and stops generating.
 Failures surface as httpx's own exceptions, as httpcore would raise them
 (`pylon.errors` maps those), and the `trace` request extension gets
 httpcore's event names for what Pylon's retry rule needs: a new TCP
-connection, and a request head that could not be written.
+connection, and a request head that could not be written. The wire side of
+one connection (and how an idle one notices bytes nobody asked for) is
+`pylon.upstream_connection`.
 """
 
 from __future__ import annotations
@@ -21,157 +23,21 @@ import asyncio
 import math
 import ssl
 import sys
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping
-from typing import Any
+from collections.abc import AsyncIterator, Mapping
 
 import h11
 import httpx
 
+from pylon.upstream_connection import (
+    OpenConnection,
+    Trace,
+    UpstreamConnection,
+    describe_os_error,
+    open_tcp,
+)
 from pylon.upstream_pool import KeepAlivePool, Origin, PoolClosed, PoolStats
 
-READ_BYTES = 64 * 1024
-"""Per socket read: as httpcore; an SSE event is far smaller, a buffered body a few reads."""
-
 DEFAULT_PORTS = {"http": 80, "https": 443}
-
-Streams = tuple[asyncio.StreamReader, asyncio.StreamWriter]
-OpenConnection = Callable[[str, int, ssl.SSLContext | None], Awaitable[Streams]]
-Trace = Callable[[str, Mapping[str, Any]], Awaitable[None]]
-
-
-async def open_tcp(host: str, port: int, tls: ssl.SSLContext | None) -> Streams:
-    return await asyncio.open_connection(
-        host, port, ssl=tls, server_hostname=host if tls is not None else None
-    )
-
-
-class _Connection:
-    """One HTTP/1.1 connection: asyncio streams and the h11 state machine for them."""
-
-    def __init__(self, origin: Origin, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
-        self.origin = origin
-        self._reader = reader
-        self._writer = writer
-        self._h11 = h11.Connection(h11.CLIENT)
-
-    def alive(self) -> bool:
-        return not (
-            self._reader.at_eof()
-            or self._reader.exception() is not None
-            or self._writer.transport.is_closing()
-        )
-
-    def close(self) -> None:
-        self._writer.close()
-
-    def start_next_cycle(self) -> bool:
-        """Ready for another exchange, if h11 saw both messages complete and nothing after."""
-        state = self._h11
-        if state.our_state is not h11.DONE or state.their_state is not h11.DONE:
-            return False
-        state.start_next_cycle()
-        return not state.trailing_data[0]
-
-    async def send_request(
-        self, request: httpx.Request, *, write_timeout_s: float | None, trace: Trace | None
-    ) -> None:
-        """Write the request; exceptions from a streamed body's own iterator pass through."""
-        headers, body = _framed(request)
-        data = self._encode(
-            h11.Request(method=request.method, target=request.url.raw_path, headers=headers)
-        )
-        if isinstance(body, bytes):
-            data += self._send_body(body)
-        self._writer.write(data)
-        if self._writer.transport.is_closing():
-            # The first send failed outright: not a byte of the request left.
-            error = httpx.WriteError("engine closed the connection before the request")
-            if trace is not None:
-                await trace("http11.send_request_headers.failed", {"exception": error})
-            raise error
-        await self._drain(write_timeout_s)
-        if not isinstance(body, bytes):
-            async for chunk in body:
-                self._writer.write(self._send_body(chunk, end=False))
-                await self._drain(write_timeout_s)
-            self._writer.write(self._send_body(b""))
-            await self._drain(write_timeout_s)
-
-    async def receive_head(self, *, read_timeout_s: float | None) -> h11.Response:
-        while True:
-            event = await self.next_event(read_timeout_s)
-            if isinstance(event, h11.Response):
-                return event
-            if not isinstance(event, h11.InformationalResponse):
-                raise httpx.RemoteProtocolError("engine closed the connection without a response")
-
-    async def next_event(self, read_timeout_s: float | None) -> Any:
-        try:
-            while (event := self._h11.next_event()) is h11.NEED_DATA:
-                if read_timeout_s is None:
-                    data = await self._reader.read(READ_BYTES)
-                else:
-                    async with asyncio.timeout(read_timeout_s):
-                        data = await self._reader.read(READ_BYTES)
-                self._h11.receive_data(data)
-        except TimeoutError as exc:
-            raise httpx.ReadTimeout("engine sent nothing within the read timeout") from exc
-        except OSError as exc:
-            raise httpx.ReadError(_describe(exc)) from exc
-        except h11.RemoteProtocolError as exc:
-            raise httpx.RemoteProtocolError(str(exc)) from exc
-        return event
-
-    def _send_body(self, chunk: bytes, *, end: bool = True) -> bytes:
-        data = self._encode(h11.Data(data=chunk)) if chunk else b""
-        return data + self._encode(h11.EndOfMessage()) if end else data
-
-    def _encode(self, event: h11.Request | h11.Data | h11.EndOfMessage) -> bytes:
-        try:
-            return self._h11.send(event) or b""
-        except h11.LocalProtocolError as exc:
-            raise httpx.LocalProtocolError(str(exc)) from exc
-
-    async def _drain(self, timeout_s: float | None) -> None:
-        try:
-            # Only a full send buffer can make drain wait: skip the timer otherwise.
-            if timeout_s is None or not self._writer.transport.get_write_buffer_size():
-                await self._writer.drain()
-            else:
-                async with asyncio.timeout(timeout_s):
-                    await self._writer.drain()
-        except TimeoutError as exc:
-            raise httpx.WriteTimeout("engine took nothing within the write timeout") from exc
-        except OSError as exc:
-            raise httpx.WriteError(_describe(exc)) from exc
-
-
-def _describe(exc: OSError) -> str:
-    return str(exc) or type(exc).__name__
-
-
-def _framed(
-    request: httpx.Request,
-) -> tuple[list[tuple[bytes, bytes]], bytes | AsyncIterable[bytes]]:
-    """Headers and body for h11: Content-Length when the headers carry it, else chunked."""
-    headers = request.headers.raw
-    stream = request.stream
-    body: bytes | AsyncIterable[bytes]
-    if isinstance(stream, httpx.ByteStream):
-        body = b"".join(stream)
-    elif isinstance(stream, bytes | bytearray | memoryview):
-        body = bytes(stream)
-    elif isinstance(stream, AsyncIterable):
-        body = stream
-    else:
-        raise TypeError(f"request body must be bytes or async iterable, not {type(stream)}")
-    framed = "content-length" in request.headers or "transfer-encoding" in request.headers
-    if not framed:
-        if not isinstance(body, bytes):
-            headers = [*headers, (b"transfer-encoding", b"chunked")]
-        elif body:
-            headers = [*headers, (b"content-length", str(len(body)).encode())]
-    return headers, body
 
 
 class H11Transport(httpx.AsyncBaseTransport):
@@ -186,7 +52,7 @@ class H11Transport(httpx.AsyncBaseTransport):
     ) -> None:
         """`ssl_context` for https:// engines defaults to httpx's (certifi's CAs);
         `open_connection` is the network edge, which tests replace to inject failures."""
-        self._pool: KeepAlivePool[_Connection] = KeepAlivePool(
+        self._pool: KeepAlivePool[UpstreamConnection] = KeepAlivePool(
             max_connections=_unbounded(limits.max_connections),
             max_keepalive=_unbounded(limits.max_keepalive_connections),
             keepalive_expiry_s=math.inf
@@ -204,10 +70,11 @@ class H11Transport(httpx.AsyncBaseTransport):
         trace: Trace | None = request.extensions.get("trace")
         connection = await self._connection(request, timeouts, trace)
         try:
-            await connection.send_request(
+            head = await connection.send_request(
                 request, write_timeout_s=timeouts.get("write"), trace=trace
             )
-            head = await connection.receive_head(read_timeout_s=timeouts.get("read"))
+            if head is None:
+                head = await connection.receive_head(read_timeout_s=timeouts.get("read"))
         except BaseException:
             self._pool.discard(connection)
             raise
@@ -223,7 +90,7 @@ class H11Transport(httpx.AsyncBaseTransport):
 
     async def _connection(
         self, request: httpx.Request, timeouts: Mapping[str, float | None], trace: Trace | None
-    ) -> _Connection:
+    ) -> UpstreamConnection:
         origin = _origin(request.url)
         loop = asyncio.get_running_loop()
         try:
@@ -246,7 +113,7 @@ class H11Transport(httpx.AsyncBaseTransport):
 
     async def _connect(
         self, origin: Origin, timeout_s: float | None, trace: Trace | None
-    ) -> _Connection:
+    ) -> UpstreamConnection:
         scheme, host, port = origin
         tls = None
         if scheme == "https":
@@ -260,8 +127,8 @@ class H11Transport(httpx.AsyncBaseTransport):
         except TimeoutError as exc:
             raise httpx.ConnectTimeout(f"engine {host}:{port}: no connection in time") from exc
         except OSError as exc:
-            raise httpx.ConnectError(f"engine {host}:{port}: {_describe(exc)}") from exc
-        connection = _Connection(origin, reader, writer)
+            raise httpx.ConnectError(f"engine {host}:{port}: {describe_os_error(exc)}") from exc
+        connection = UpstreamConnection(origin, reader, writer)
         if trace is not None:
             await trace("connection.connect_tcp.complete", {"return_value": connection})
         return connection
@@ -272,12 +139,12 @@ class _ResponseBody(httpx.AsyncByteStream):
 
     def __init__(
         self,
-        connection: _Connection,
-        pool: KeepAlivePool[_Connection],
+        connection: UpstreamConnection,
+        pool: KeepAlivePool[UpstreamConnection],
         *,
         read_timeout_s: float | None,
     ) -> None:
-        self._connection: _Connection | None = connection
+        self._connection: UpstreamConnection | None = connection
         self._pool = pool
         self._read_timeout_s = read_timeout_s
 

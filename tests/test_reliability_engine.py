@@ -30,6 +30,7 @@ from pylon.config import UpstreamSettings
 from pylon.errors import UpstreamReset
 from pylon.forwarder import Forwarder, build_upstream_client, upstream_limits
 from pylon.readiness import ProbeResult
+from pylon.upstream_connection import Streams, UpstreamReader
 from pylon.upstream_transport import H11Transport
 from tests.harness import CHAT, Stack, eventually, run, stack, tunnel_headers
 from tunnel.client import H3Client
@@ -230,7 +231,7 @@ class _BreakingStream(httpcore.AsyncNetworkStream):
         return self._inner.get_extra_info(info)
 
 
-class _BreakingReader(asyncio.StreamReader):
+class _BreakingReader(UpstreamReader):
     def __init__(self, backend: BreakingBackend) -> None:
         super().__init__()
         self._backend = backend
@@ -290,9 +291,7 @@ class BreakingBackend(httpcore.AsyncNetworkBackend):
         self.connections += 1
         return _BreakingStream(inner, self)
 
-    async def open_connection(
-        self, host: str, port: int, tls: ssl.SSLContext | None
-    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    async def open_connection(self, host: str, port: int, tls: ssl.SSLContext | None) -> Streams:
         reader = _BreakingReader(self)
         protocol = asyncio.StreamReaderProtocol(reader)
         loop = asyncio.get_running_loop()

@@ -36,7 +36,8 @@ from pylon.errors import (
     UpstreamUnreachable,
     upstream_error_for,
 )
-from pylon.upstream_transport import H11Transport, Streams, open_tcp
+from pylon.upstream_connection import Streams, open_tcp
+from pylon.upstream_transport import H11Transport
 from tests.harness import CHAT, eventually, run
 
 LIMITS = httpx.Limits(max_connections=8, max_keepalive_connections=8, keepalive_expiry=30.0)
@@ -356,6 +357,40 @@ def test_a_connection_the_engine_closed_while_idle_is_not_reused() -> None:
     run(scenario())
 
 
+REQUEST_TIMEOUT = b"HTTP/1.1 408 Request Timeout\r\nconnection: close\r\ncontent-length: 0\r\n\r\n"
+
+
+@pytest.mark.parametrize("then_close", [True, False], ids=["then-close", "left-open"])
+def test_bytes_the_engine_sends_to_an_idle_connection_retire_it(then_close: bool) -> None:
+    """A 408 on idle timeout (as some servers send) is nobody's response: never the next one's."""
+
+    async def scenario() -> None:
+        idle, sent = asyncio.Event(), asyncio.Event()
+
+        async def time_out_when_idle(exchange: Exchange) -> None:
+            await exchange.reply(b"first" if engine.connections == 1 else b"second")
+            if engine.connections == 1:
+                await idle.wait()  # separately from the response: h11 would see it trailing
+                await exchange.write_raw(REQUEST_TIMEOUT)
+                if then_close:
+                    exchange.writer.close()
+                sent.set()
+
+        trace = Trace()
+        async with Engine(time_out_when_idle) as engine, client(h11 := transport()) as http:
+            assert (await http.get(engine.url)).content == b"first"
+            idle.set()
+            await sent.wait()
+            await asyncio.sleep(0.05)  # the 408 reaches the client's idle connection
+            response = await http.get(engine.url, extensions={"trace": trace})
+            assert (response.status_code, response.content) == (200, b"second")
+            assert trace.events.count("connection.connect_tcp.started") == 1
+            assert engine.connections == 2
+            assert h11.stats().open == 1
+
+    run(scenario())
+
+
 def test_connection_close_from_the_engine_is_honoured() -> None:
     async def scenario() -> None:
         async def closing(exchange: Exchange) -> None:
@@ -667,6 +702,46 @@ def test_an_engine_that_stops_reading_is_a_write_timeout() -> None:
                 assert h11.stats().open == 0
         finally:
             stop.set()
+            server.close()
+            await server.wait_closed()
+
+    run(scenario())
+
+
+TOO_LARGE = (
+    b"HTTP/1.1 413 Payload Too Large\r\nconnection: close\r\ncontent-length: 9\r\n\r\ntoo large"
+)
+
+
+@pytest.mark.parametrize("answer", [TOO_LARGE, b""], ids=["413", "no answer"])
+def test_an_answer_before_the_upload_ends_is_the_response(answer: bytes) -> None:
+    """The engine refuses a large body part-way and closes: the write fails, but a 413
+    that arrived first is the response (as httpcore reads it); with none, the write error."""
+
+    async def scenario() -> None:
+        async def refuse_early(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.read(65536)  # the head and a little of the body
+            writer.write(answer)
+            await writer.drain()
+            writer.close()  # with most of the body unread: the client's writes fail
+
+        server = await asyncio.start_server(refuse_early, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/"
+        trace = Trace()
+        try:
+            async with client(h11 := transport()) as http:
+                big = _pieces(bytes(1 << 20) * 64, 1 << 20)
+                request = http.build_request("POST", url, content=big, extensions={"trace": trace})
+                if answer:
+                    response = await http.send(request)
+                    assert (response.status_code, response.content) == (413, b"too large")
+                else:
+                    with pytest.raises(httpx.WriteError) as failed:
+                        await http.send(request)
+                    assert type(upstream_error_for(failed.value)) is UpstreamReset
+                assert "http11.send_request_headers.failed" not in trace.events
+                assert h11.stats().open == 0
+        finally:
             server.close()
             await server.wait_closed()
 

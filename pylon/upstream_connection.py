@@ -1,0 +1,238 @@
+"""One HTTP/1.1 connection to the engine: asyncio streams and h11's state machine.
+
+Strategy: `open_tcp` builds the streams itself (as `asyncio.open_connection`
+does) so the reader is an `UpstreamReader`, which counts what the socket fed
+it and keeps bytes that arrived before a connection error readable ahead of
+the error. The count is what lets a connection idle in the pool tell that the
+engine wrote to it unasked (a 408 on idle timeout) and be closed rather than
+have that read as the next response; reading past an error is what lets a
+response the engine sent before closing on an unfinished upload (a 413) be
+returned, as httpcore does, instead of the write failure.
+
+`H11Transport` (pylon.upstream_transport) drives one exchange at a time
+through `send_request`, `receive_head` and `next_event`; failures surface as
+httpx's exceptions, and a head that could not be written is reported to the
+`trace` extension under httpcore's event name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from collections.abc import AsyncIterable, Awaitable, Callable, Iterable, Mapping
+from typing import Any, SupportsIndex, cast
+
+import h11
+import httpx
+
+from pylon.upstream_pool import Origin
+
+READ_BYTES = 64 * 1024
+"""Per socket read: as httpcore; an SSE event is far smaller, a buffered body a few reads."""
+
+
+class UpstreamReader(asyncio.StreamReader):
+    """A StreamReader that counts the bytes fed to it and yields them all before an error.
+
+    asyncio offers no public way to see buffered bytes; the count lets a
+    connection idle in the pool tell that the engine wrote to it unasked.
+    And asyncio's reader raises a connection error ahead of the bytes still
+    buffered, losing a response the engine sent just before a reset: here
+    the error ends the stream like EOF, and `exception()` says why.
+    """
+
+    fed_bytes = 0
+    _error: Exception | None = None
+
+    def feed_data(self, data: Iterable[SupportsIndex]) -> None:
+        self.fed_bytes += len(cast(bytes, data))  # transports feed bytes; the stub says more
+        super().feed_data(data)
+
+    def set_exception(self, exc: Exception) -> None:
+        self._error = exc
+        self.feed_eof()
+
+    def exception(self) -> Exception | None:
+        return self._error
+
+
+Streams = tuple[UpstreamReader, asyncio.StreamWriter]
+OpenConnection = Callable[[str, int, ssl.SSLContext | None], Awaitable[Streams]]
+Trace = Callable[[str, Mapping[str, Any]], Awaitable[None]]
+
+
+async def open_tcp(host: str, port: int, tls: ssl.SSLContext | None) -> Streams:
+    """As `asyncio.open_connection`, with an `UpstreamReader`."""
+    loop = asyncio.get_running_loop()
+    reader = UpstreamReader(loop=loop)
+    protocol = asyncio.StreamReaderProtocol(reader, loop=loop)
+    transport, _ = await loop.create_connection(
+        lambda: protocol, host, port, ssl=tls, server_hostname=host if tls is not None else None
+    )
+    return reader, asyncio.StreamWriter(transport, protocol, reader, loop)
+
+
+class UpstreamConnection:
+    """One HTTP/1.1 connection: asyncio streams and the h11 state machine for them."""
+
+    def __init__(self, origin: Origin, reader: UpstreamReader, writer: asyncio.StreamWriter):
+        self.origin = origin
+        self._reader = reader
+        self._writer = writer
+        self._h11 = h11.Connection(h11.CLIENT)
+        self._read_bytes = 0
+
+    def alive(self) -> bool:
+        """Between exchanges: open, and nothing arrived that no request asked for.
+
+        Unread bytes on an idle connection (a 408 on idle timeout, say) would
+        otherwise be read as the next request's response.
+        """
+        return not (
+            self._reader.fed_bytes != self._read_bytes
+            or self._reader.at_eof()
+            or self._reader.exception() is not None
+            or self._writer.transport.is_closing()
+        )
+
+    def close(self) -> None:
+        self._writer.close()
+
+    def start_next_cycle(self) -> bool:
+        """Ready for another exchange, if h11 saw both messages complete and nothing after."""
+        state = self._h11
+        if state.our_state is not h11.DONE or state.their_state is not h11.DONE:
+            return False
+        state.start_next_cycle()
+        return not state.trailing_data[0]
+
+    async def send_request(
+        self, request: httpx.Request, *, write_timeout_s: float | None, trace: Trace | None
+    ) -> h11.Response | None:
+        """Write the request; exceptions from a streamed body's own iterator pass through.
+
+        Returns the response head when the engine answered and closed before it
+        took the whole request (a 413 for a large upload); then the write failure
+        is not the outcome, as with httpcore.
+        """
+        headers, body = _framed(request)
+        data = self._encode(
+            h11.Request(method=request.method, target=request.url.raw_path, headers=headers)
+        )
+        if isinstance(body, bytes):
+            data += self._send_body(body)
+        self._writer.write(data)
+        if self._writer.transport.is_closing():
+            # The first send failed outright: not a byte of the request left.
+            error = httpx.WriteError("engine closed the connection before the request")
+            if trace is not None:
+                await trace("http11.send_request_headers.failed", {"exception": error})
+            raise error
+        try:
+            await self._drain(write_timeout_s)
+            if not isinstance(body, bytes):
+                await self._send_stream(body, write_timeout_s)
+        except httpx.WriteError:
+            head = await self._early_response()
+            if head is None:
+                raise
+            return head
+        return None
+
+    async def _send_stream(self, body: AsyncIterable[bytes], write_timeout_s: float | None) -> None:
+        async for chunk in body:
+            self._writer.write(self._send_body(chunk, end=False))
+            await self._drain(write_timeout_s)
+        self._writer.write(self._send_body(b""))
+        await self._drain(write_timeout_s)
+
+    async def _early_response(self) -> h11.Response | None:
+        """After a failed write: the response head, if the engine sent one before it closed.
+
+        The connection is lost already; the abort makes sure of it, so the read
+        takes what arrived and never waits for more.
+        """
+        self._writer.transport.abort()
+        try:
+            return await self.receive_head(read_timeout_s=None)
+        except httpx.TransportError:
+            return None
+
+    async def receive_head(self, *, read_timeout_s: float | None) -> h11.Response:
+        while True:
+            event = await self.next_event(read_timeout_s)
+            if isinstance(event, h11.Response):
+                return event
+            if not isinstance(event, h11.InformationalResponse):
+                raise httpx.RemoteProtocolError("engine closed the connection without a response")
+
+    async def next_event(self, read_timeout_s: float | None) -> Any:
+        try:
+            while (event := self._h11.next_event()) is h11.NEED_DATA:
+                if read_timeout_s is None:
+                    data = await self._reader.read(READ_BYTES)
+                else:
+                    async with asyncio.timeout(read_timeout_s):
+                        data = await self._reader.read(READ_BYTES)
+                if not data and (error := self._reader.exception()) is not None:
+                    raise error
+                self._read_bytes += len(data)
+                self._h11.receive_data(data)
+        except TimeoutError as exc:
+            raise httpx.ReadTimeout("engine sent nothing within the read timeout") from exc
+        except OSError as exc:
+            raise httpx.ReadError(describe_os_error(exc)) from exc
+        except h11.RemoteProtocolError as exc:
+            raise httpx.RemoteProtocolError(str(exc)) from exc
+        return event
+
+    def _send_body(self, chunk: bytes, *, end: bool = True) -> bytes:
+        data = self._encode(h11.Data(data=chunk)) if chunk else b""
+        return data + self._encode(h11.EndOfMessage()) if end else data
+
+    def _encode(self, event: h11.Request | h11.Data | h11.EndOfMessage) -> bytes:
+        try:
+            return self._h11.send(event) or b""
+        except h11.LocalProtocolError as exc:
+            raise httpx.LocalProtocolError(str(exc)) from exc
+
+    async def _drain(self, timeout_s: float | None) -> None:
+        try:
+            # Only a full send buffer can make drain wait: skip the timer otherwise.
+            if timeout_s is None or not self._writer.transport.get_write_buffer_size():
+                await self._writer.drain()
+            else:
+                async with asyncio.timeout(timeout_s):
+                    await self._writer.drain()
+        except TimeoutError as exc:
+            raise httpx.WriteTimeout("engine took nothing within the write timeout") from exc
+        except OSError as exc:
+            raise httpx.WriteError(describe_os_error(exc)) from exc
+
+
+def describe_os_error(exc: OSError) -> str:
+    return str(exc) or type(exc).__name__
+
+
+def _framed(
+    request: httpx.Request,
+) -> tuple[list[tuple[bytes, bytes]], bytes | AsyncIterable[bytes]]:
+    """Headers and body for h11: Content-Length when the headers carry it, else chunked."""
+    headers = request.headers.raw
+    stream = request.stream
+    body: bytes | AsyncIterable[bytes]
+    if isinstance(stream, httpx.ByteStream):
+        body = b"".join(stream)
+    elif isinstance(stream, bytes | bytearray | memoryview):
+        body = bytes(stream)
+    elif isinstance(stream, AsyncIterable):
+        body = stream
+    else:
+        raise TypeError(f"request body must be bytes or async iterable, not {type(stream)}")
+    framed = "content-length" in request.headers or "transfer-encoding" in request.headers
+    if not framed:
+        if not isinstance(body, bytes):
+            headers = [*headers, (b"transfer-encoding", b"chunked")]
+        elif body:
+            headers = [*headers, (b"content-length", str(len(body)).encode())]
+    return headers, body
