@@ -8,4 +8,4 @@ Pure helpers (`stats`, `sse`, `table`, `workloads`, `queueing`, `compare_report`
 `experiments/` holds launchers that run a patched Pylon as a `--candidate-command`.
 """
 
-__all__ = ["compare", "load", "priority"]
+__all__ = ["compare", "load", "priority", "soak"]

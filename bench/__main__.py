@@ -1,4 +1,4 @@
-"""`python -m bench compare | priority | load`: the command line of the bench.
+"""`python -m bench compare | priority | soak | load`: the command line of the bench.
 
 Progress goes to stderr, the summary tables to stdout, and everything
 measured to `bench/results/<timestamp>-<command>/` as JSON (plus PNG plots
@@ -20,6 +20,8 @@ from bench.load import LoadSpec, run_load
 from bench.output import results_dir, write_json
 from bench.priority import BACKENDS, DEFAULT_CLASSES, I32_MAX, PriorityOptions, run_priority
 from bench.progress import note
+from bench.soak import STREAM, SoakOptions, run_soak
+from bench.soak_report import DEFAULT_MAX_GROWTH_MIB
 from bench.stats import error_counts, summarize
 from bench.table import fmt_ms, fmt_num, format_table
 from bench.workloads import parse_classes, small, stream, upload, with_headers
@@ -91,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     prio.add_argument("--duration-s", type=float, default=20.0)
     prio.add_argument("--drain-s", type=float, default=5.0)
     _common(prio)
+    _soak_parser(commands.add_parser("soak", help="Pylon's RSS across a long stream run"))
     load = commands.add_parser("load", help="one load against any URL (h3 for https://)")
     load.add_argument("url", help="https://HOST:PORT (HTTP/3) or http://HOST:PORT (HTTP/1.1)")
     load.add_argument("--workload", choices=sorted(DEFAULTS), default="small")
@@ -98,6 +101,52 @@ def build_parser() -> argparse.ArgumentParser:
     _load_shape(load)
     _common(load)
     return parser
+
+
+def _soak_parser(soak: argparse.ArgumentParser) -> None:
+    soak.add_argument("--duration-s", type=float, default=600.0, help="load time, all windows")
+    soak.add_argument("--window-s", type=float, default=30.0, help="RSS is sampled after each")
+    soak.add_argument("--concurrency", type=int, default=STREAM.concurrency, help="streams")
+    soak.add_argument("--tokens", type=int, default=STREAM.tokens, help="tokens per stream")
+    soak.add_argument("--token-delay-ms", type=float, default=STREAM.token_delay_ms)
+    soak.add_argument(
+        "--max-growth-mib",
+        type=float,
+        default=DEFAULT_MAX_GROWTH_MIB,
+        help="flat: less growth over the second half",
+    )
+    soak.add_argument(
+        "--pylon-no-auth", action="store_true", help="--insecure-no-auth instead of a token"
+    )
+    soak.add_argument(
+        "--pylon-arg", action="append", default=[], metavar="ARG", help="extra `pylon serve` arg"
+    )
+    soak.add_argument(
+        "--pylon-command", default=None, metavar="CMD", help="run Pylon as CMD (experiments)"
+    )
+    soak.add_argument(
+        "--streams-per-connection", type=int, default=64, help="HTTP/3 streams per QUIC connection"
+    )
+    _common(soak)
+
+
+def run_soak_command(ns: argparse.Namespace) -> int:
+    options = SoakOptions(
+        duration_s=ns.duration_s,
+        window_s=ns.window_s,
+        concurrency=ns.concurrency,
+        tokens=ns.tokens,
+        token_delay_ms=ns.token_delay_ms,
+        workers=ns.workers,
+        streams_per_connection=ns.streams_per_connection,
+        max_growth_mib=ns.max_growth_mib,
+        pylon_auth=not ns.pylon_no_auth,
+        pylon_args=tuple(ns.pylon_arg),
+        pylon_command=tuple(shlex.split(ns.pylon_command or "")),
+        out_root=ns.out,
+    )
+    run_soak(options)
+    return 0
 
 
 def run_compare_command(ns: argparse.Namespace) -> int:
@@ -195,6 +244,7 @@ def run_load_command(ns: argparse.Namespace) -> int:
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "compare": run_compare_command,
     "priority": run_priority_command,
+    "soak": run_soak_command,
     "load": run_load_command,
 }
 

@@ -1,4 +1,4 @@
-"""The PNG plots of `compare` and `priority` (drawn only when matplotlib is installed).
+"""The PNG plots of `compare`, `priority` and `soak` (drawn only when matplotlib is installed).
 
 Each function hands a `draw(pyplot)` callback to `output.plot`, which skips
 the file with a message when matplotlib is missing.
@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.output import cdf, plot
+from bench.soak_report import MIB, PEAK_LIMIT_BYTES, Sample, SoakVerdict, second_half
 from bench.stats import Record, percentile
 from bench.workloads import PriorityClass
 
@@ -107,3 +108,37 @@ def _policy_bars(
     for bar, is_starved in zip(bars, starved, strict=True):
         if is_starved:
             bar.set_hatch("//")
+
+
+def soak_plot(
+    out: Path, samples: Sequence[Sample], *, windows: Sequence[dict[str, Any]], verdict: SoakVerdict
+) -> None:
+    """RSS after each window and VmHWM during it over time, the fitted trend, the target."""
+
+    def draw(pyplot: Any) -> None:
+        minutes = [s.t_s / 60 for s in samples]
+        pyplot.plot(minutes, [s.rss_bytes / MIB for s in samples], "o-", label="RSS after window")
+        peaks = [(w.get("proxy_peak_rss_bytes") or 0) / MIB for w in windows]
+        pyplot.plot(minutes, peaks, "x--", label="peak RSS during window")
+        fitted = second_half(samples)
+        if verdict.slope_bytes_per_s is not None:
+            # The least-squares line passes through the mean of the fitted points.
+            t_mean = sum(s.t_s for s in fitted) / len(fitted)
+            rss_mean = sum(s.rss_bytes for s in fitted) / len(fitted)
+            slope_b = verdict.slope_bytes_per_s
+            line = [(rss_mean + slope_b * (s.t_s - t_mean)) / MIB for s in fitted]
+            slope = verdict.slope_mib_per_h or 0.0
+            label = f"trend, second half: {slope:+.1f} MiB/h"
+            pyplot.plot([s.t_s / 60 for s in fitted], line, "-", linewidth=2, label=label)
+        # From 0 and with the target drawn: noise of a few hundred KiB must not look
+        # like a trend, and the distance to the limit should show.
+        limit = PEAK_LIMIT_BYTES / MIB
+        pyplot.axhline(limit, color="red", linestyle=":", label=f"target: peak <= {limit:.0f} MiB")
+        pyplot.ylim(0, max([limit, *peaks]) * 1.1)
+        pyplot.xlabel("minutes since the first window started")
+        pyplot.ylabel("MiB (Pylon process tree)")
+        pyplot.title("soak: Pylon memory over the run")
+        pyplot.legend()
+        pyplot.grid(True, alpha=0.3)
+
+    plot(out / "soak_rss.png", draw)

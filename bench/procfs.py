@@ -1,4 +1,4 @@
-"""CPU time and peak memory of a process, read from /proc (Linux; no psutil).
+"""CPU time and memory (current and peak RSS) of a process, from /proc (Linux; no psutil).
 
 Strategy: the parsers are pure functions over the files' text (table-tested);
 the readers are small loops around them. utime + stime count every thread of
@@ -117,15 +117,27 @@ def cpu_seconds(pid: int) -> float:
     return ticks / CLOCK_TICKS_PER_S
 
 
+def _tree_status_bytes(pid: int, field: str) -> int | None:
+    """A /proc/<pid>/status memory field summed over `pid` and every process below it;
+    None when no process of the tree reports it (the root has exited)."""
+    values = []
+    for member in process_tree(pid):
+        with contextlib.suppress(OSError):  # exited since the walk
+            values.append(parse_status_kib(Path(f"/proc/{member}/status").read_text(), field))
+    known = [kib for kib in values if kib is not None]
+    return sum(known) * 1024 if known else None
+
+
 def peak_rss_bytes(pid: int) -> int | None:
     """Sum of the peak RSS of `pid` and every process below it: an upper bound on the
     tree's peak, since the processes need not peak at the same moment."""
-    peaks = []
-    for member in process_tree(pid):
-        with contextlib.suppress(OSError):
-            peaks.append(parse_status_kib(Path(f"/proc/{member}/status").read_text(), "VmHWM"))
-    known = [kib for kib in peaks if kib is not None]
-    return sum(known) * 1024 if known else None
+    return _tree_status_bytes(pid, "VmHWM")
+
+
+def rss_bytes(pid: int) -> int | None:
+    """Current RSS (VmRSS) of `pid` and every process below it. Pages the processes
+    share (the interpreter and libraries of exec'd workers) count once per process."""
+    return _tree_status_bytes(pid, "VmRSS")
 
 
 def reset_peak_rss(pid: int) -> bool:
