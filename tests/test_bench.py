@@ -16,14 +16,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from bench import compare_report, procfs, queueing, stack
+from bench import compare_report, procfs, queueing, soak_report, stack
+from bench.__main__ import main
 from bench.caddy import caddyfile
 from bench.compare import CompareOptions, run_compare
 from bench.drivers import Target
 from bench.load import LoadSpec, run_load
 from bench.output import cdf
 from bench.priority import PriorityOptions, run_priority
+from bench.soak_report import MIB, Sample, least_squares_slope, second_half, soak_verdict
 from bench.sse import StreamObserver
 from bench.stats import Record, difference, median, median_summary, percentile, ratio, summarize
 from bench.table import fmt_mib, fmt_ms, fmt_ratio, format_table
@@ -195,6 +199,20 @@ def test_procfs_parsers() -> None:
     assert procfs.parse_rcvbuf_errors(snmp) == 7
 
 
+@pytest.mark.parametrize(
+    ("status", "expected"),
+    [
+        ("Name:\tpylon\nVmHWM:\t  1234 kB\nVmRSS:\t  1000 kB\nRssAnon:\t 600 kB\n", 1000),
+        ("VmRSS:\t       0 kB\n", 0),
+        ("Name:\tkthreadd\nState:\tS (sleeping)\n", None),  # kernel threads have no VmRSS
+        ("RssAnon:\t 600 kB\nRssFile:\t 400 kB\n", None),  # not VmRSS
+        ("", None),
+    ],
+)
+def test_vmrss_parser(status: str, expected: int | None) -> None:
+    assert procfs.parse_status_kib(status, "VmRSS") == expected
+
+
 def test_process_tree_and_its_cpu_include_children() -> None:
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
@@ -202,9 +220,106 @@ def test_process_tree_and_its_cpu_include_children() -> None:
         assert tree[0] == os.getpid() and child.pid in tree
         assert procfs.cpu_seconds(os.getpid()) >= procfs.cpu_seconds(child.pid)
         assert procfs.process_tree(child.pid) == [child.pid]
+        own = procfs.parse_status_kib(Path("/proc/self/status").read_text(), "VmRSS")
+        child_rss = procfs.rss_bytes(child.pid)
+        assert own is not None and child_rss is not None and child_rss > 0
+        assert (procfs.rss_bytes(os.getpid()) or 0) >= child_rss + own * 1024 // 2
     finally:
         child.kill()
         child.wait()
+
+
+# Soak samples: window ends seconds to minutes apart, RSS of tens to hundreds of MiB.
+window_steps = st.lists(st.floats(1.0, 120.0), min_size=2, max_size=40)
+rss_values = st.integers(10 * MIB, 1000 * MIB)
+slopes = st.floats(-100_000.0, 100_000.0)
+"""Bytes per second: +-360 MiB an hour, far beyond anything a soak should see."""
+
+
+def _times(steps: list[float]) -> list[float]:
+    return [sum(steps[: i + 1]) for i in range(len(steps))]
+
+
+@given(steps=window_steps, rss=rss_values)
+def test_slope_of_a_constant_series_is_zero(steps: list[float], rss: int) -> None:
+    times = _times(steps)
+    assert least_squares_slope(times, [float(rss)] * len(times)) == pytest.approx(0.0, abs=1e-9)
+
+
+@given(steps=window_steps, start=rss_values, slope=slopes)
+def test_slope_of_a_linear_series_is_recovered(
+    steps: list[float], start: int, slope: float
+) -> None:
+    times = _times(steps)
+    fitted = least_squares_slope(times, [start + slope * t for t in times])
+    assert fitted == pytest.approx(slope, rel=1e-9, abs=1e-4)
+
+
+@given(data=st.data(), steps=window_steps, shift=st.integers(-10 * MIB, 10 * MIB))
+def test_slope_ignores_a_constant_offset(
+    data: st.DataObject, steps: list[float], shift: int
+) -> None:
+    times = _times(steps)
+    rss = data.draw(st.lists(rss_values, min_size=len(times), max_size=len(times)))
+    plain = least_squares_slope(times, [float(r) for r in rss])
+    shifted = least_squares_slope(times, [float(r + shift) for r in rss])
+    assert plain is not None and shifted == pytest.approx(plain, rel=1e-9, abs=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("xs", "ys"), [([], []), ([1.0], [5.0]), ([2.0, 2.0, 2.0], [1.0, 2.0, 3.0])]
+)
+def test_slope_needs_two_distinct_times(xs: list[float], ys: list[float]) -> None:
+    assert least_squares_slope(xs, ys) is None
+
+
+def test_slope_rejects_unpaired_values() -> None:
+    with pytest.raises(ValueError):
+        least_squares_slope([1.0, 2.0], [1.0])
+
+
+@pytest.mark.parametrize(
+    ("windows", "fitted"), [(1, [1]), (2, [1, 2]), (3, [2, 3]), (4, [3, 4]), (5, [3, 4, 5])]
+)
+def test_second_half_keeps_the_later_windows(windows: int, fitted: list[int]) -> None:
+    samples = [Sample(float(i), i) for i in range(1, windows + 1)]
+    assert [s.rss_bytes for s in second_half(samples)] == fitted
+    assert len(second_half(samples * 10)) == windows * 5
+
+
+@given(data=st.data(), warmup=st.lists(rss_values, min_size=1, max_size=20), rss=rss_values)
+def test_warmup_growth_does_not_count_against_flatness(
+    data: st.DataObject, warmup: list[int], rss: int
+) -> None:
+    """A run that grows or jumps in its first half, then holds, is flat whatever the
+    warm-up did (the held part is at least as many windows as the warm-up)."""
+    held = data.draw(st.lists(st.floats(1.0, 120.0), min_size=max(len(warmup), 2), max_size=40))
+    times = _times([30.0] * len(warmup) + held)
+    values = [*warmup, *([rss] * len(held))]
+    verdict = soak_verdict([Sample(t, r) for t, r in zip(times, values, strict=True)])
+    assert verdict.slope_bytes_per_s == pytest.approx(0.0, abs=1e-6)
+    assert verdict.flat is True
+    assert verdict.peak_rss_bytes == max(values)
+
+
+def test_soak_verdict_reports_growth_peak_and_figures() -> None:
+    leaking = [Sample(60.0 * i, 80 * MIB + i * MIB) for i in range(1, 11)]  # 1 MiB a minute
+    verdict = soak_verdict(leaking, window_peaks=[None, 160 * MIB], max_growth_bytes=5 * MIB)
+    assert verdict.slope_mib_per_h == pytest.approx(60.0)
+    assert verdict.fitted_windows == 5 and verdict.fitted_span_s == 240.0
+    assert verdict.growth_bytes == pytest.approx(4 * MIB)
+    assert verdict.flat is True
+    assert verdict.peak_rss_bytes == 160 * MIB and verdict.peak_within_limit is False
+    assert (verdict.first_rss_bytes, verdict.last_rss_bytes) == (81 * MIB, 90 * MIB)
+    stricter = soak_verdict(leaking, max_growth_bytes=3 * MIB)
+    assert stricter.flat is False and stricter.peak_within_limit is True
+    single = soak_verdict(leaking[:1])
+    assert single.slope_bytes_per_s is None and single.flat is None
+    checks = soak_report.verdict_checks(verdict, max_growth_bytes=5 * MIB)
+    assert [ok for _, _, ok in checks] == [False, True]
+    assert "+60.0 MiB/h" in checks[1][1]
+    with pytest.raises(ValueError):
+        soak_verdict([])
 
 
 def test_cdf_is_monotonic() -> None:
@@ -357,3 +472,25 @@ def test_priority_smoke_joins_engine_records(tmp_path: Path) -> None:
     assert by_class["p0"]["engine_priority"] == ["1000"]
     assert by_class["unconfigured"]["engine_priority"] == ["0"]
     assert (next(tmp_path.glob("*-priority")) / "priority.json").is_file()
+
+
+@pytest.mark.e2e
+def test_soak_smoke_writes_windows_and_figures(tmp_path: Path) -> None:
+    argv = ["soak", "--duration-s", "4", "--window-s", "2", "--concurrency", "2"]
+    argv += ["--tokens", "3", "--token-delay-ms", "50", "--workers", "1", "--out", str(tmp_path)]
+    argv += ["--pylon-arg=--workers", "--pylon-arg=2"]
+    assert main(argv) == 0
+    written = json.loads(next(tmp_path.glob("*-soak/soak.json")).read_text())
+    assert [w["window"] for w in written["windows"]] == [1, 2]
+    for window in written["windows"]:
+        assert window["ok"] > 0 and window["errors"] == 0 and window["lost_events"] == 0
+        assert window["events"] == window["ok"] * 5
+        assert window["rss_bytes"] > 0 and window["proxy_peak_rss_bytes"] > 0
+        assert window["proxy_cpu_s"] is not None
+    verdict = written["verdict"]
+    assert verdict["first_rss_bytes"] == written["windows"][0]["rss_bytes"]
+    assert verdict["last_rss_bytes"] == written["windows"][1]["rss_bytes"]
+    assert verdict["fitted_windows"] == 2 and verdict["slope_mib_per_h"] is not None
+    assert [type(t["met"]) for t in written["targets"]] == [bool, bool]  # figures, not asserted
+    assert written["options"]["pylon_args"] == ["--workers", "2"]
+    assert written["machine"]["background_busy_cores"] is not None
