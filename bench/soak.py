@@ -105,12 +105,13 @@ def run_soak(options: SoakOptions) -> dict[str, Any]:
             )
         )
         idle_rss = rss_bytes(pylon.pid)
-        windows = _windows(options, engine, pylon, [auth] if auth else [])
+        windows = _windows(options, out, engine, pylon, [auth] if auth else [])
     return _report(options, out, windows, host=host, idle_rss=idle_rss)
 
 
 def _windows(
     options: SoakOptions,
+    out: Path,
     engine: stack.Service,
     pylon: stack.Service,
     headers: list[tuple[str, str]],
@@ -136,6 +137,8 @@ def _windows(
         window |= {"rss_bytes": _alive_rss(pylon), **summary, "error_kinds": error_counts(records)}
         note(_window_line(label, window))
         windows.append(window)
+        # Kept up to date, so an interrupted or failed soak still leaves its windows.
+        write_json(out / "soak.json", {"partial": True, "windows": windows})
     return windows
 
 
@@ -174,6 +177,7 @@ def _report(
     checks = soak_report.verdict_checks(verdict, max_growth_bytes=max_growth)
     totals = soak_report.totals(windows)
     result = {
+        "partial": False,
         "command": ["python", "-m", "bench", *sys.argv[1:]],
         "options": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(options).items()},
         "machine": host,

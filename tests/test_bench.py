@@ -481,6 +481,7 @@ def test_soak_smoke_writes_windows_and_figures(tmp_path: Path) -> None:
     argv += ["--pylon-arg=--workers", "--pylon-arg=2"]
     assert main(argv) == 0
     written = json.loads(next(tmp_path.glob("*-soak/soak.json")).read_text())
+    assert written["partial"] is False
     assert [w["window"] for w in written["windows"]] == [1, 2]
     for window in written["windows"]:
         assert window["ok"] > 0 and window["errors"] == 0 and window["lost_events"] == 0
