@@ -2,11 +2,15 @@
 
 Strategy: the snapshots are taken in `run_load`'s `on_start` hook (every
 worker connected, nothing sent yet) and right after the last worker reports,
-so handshakes and process start-up stay outside the numbers. The proxy's
+so handshakes and process start-up stay outside the numbers (`accounted_s` is the
+time between the snapshots: a little longer than the load's wall time, since the
+workers hand their records over after it). The proxy's
 peak-RSS window is reset at the start, so each run reports its own peak.
 """
 
 from __future__ import annotations
+
+import time
 
 from bench import stack
 from bench.load import LoadSpec, run_load
@@ -32,6 +36,7 @@ def measure(
             marks["proxy"] = cpu_seconds(proxy.pid)
         marks["engine"] = cpu_seconds(engine.pid)
         marks["machine"] = machine_busy_seconds()
+        marks["accounted"] = time.monotonic()
         marks["udp_errors"] = udp_rcvbuf_errors()
         marks["proxy_drops"] = _drops(proxy)
 
@@ -39,6 +44,7 @@ def measure(
     result = run_load(spec, label=label, on_start=on_start)
     summary = summarize(result.records, wall_s=result.wall_s)
     machine_cpu = machine_busy_seconds() - marks["machine"]
+    accounted_s = time.monotonic() - marks["accounted"]
     proxy_cpu = None if proxy is None else cpu_seconds(proxy.pid) - marks["proxy"]
     engine_cpu = cpu_seconds(engine.pid) - marks["engine"]
     events = summary["events"] or None
@@ -50,6 +56,7 @@ def measure(
         "client_cpu_s": result.client_cpu_s,
         "engine_cpu_s": engine_cpu,
         "machine_cpu_s": machine_cpu,
+        "accounted_s": accounted_s,
         "other_cpu_s": machine_cpu - result.client_cpu_s - engine_cpu - (proxy_cpu or 0.0),
         "proxy_cpu_s": proxy_cpu,
         "proxy_cpu_per_request_s": ratio(proxy_cpu, len(result.records)),

@@ -31,7 +31,7 @@ from bench.load import LoadSpec
 from bench.measure import measure
 from bench.output import machine, results_dir, write_json
 from bench.plots import soak_plot
-from bench.procfs import rss_bytes
+from bench.procfs import background_busy_cores, rss_bytes
 from bench.progress import note
 from bench.stats import error_counts
 from bench.table import fmt_mib, fmt_num
@@ -106,6 +106,7 @@ def run_soak(options: SoakOptions) -> dict[str, Any]:
         )
         idle_rss = rss_bytes(pylon.pid)
         windows = _windows(options, out, engine, pylon, [auth] if auth else [])
+    host["background_busy_cores_after"] = round(background_busy_cores(), 2)
     return _report(options, out, windows, host=host, idle_rss=idle_rss)
 
 
@@ -194,15 +195,17 @@ def _report(
     print(soak_report.figures_table(verdict, idle_rss_bytes=idle_rss))
     print()
     print(compare_report.targets_table(checks))
-    print(_totals_line(totals))
+    print(_totals_line(totals, host))
     soak_plot(out, samples, windows=windows, verdict=verdict)
     print(f"\nresults: {out}")
     return result
 
 
-def _totals_line(totals: dict[str, float]) -> str:
+def _totals_line(totals: dict[str, float], host: dict[str, Any]) -> str:
     return (
         f"total: {totals['ok']:.0f} ok, {totals['errors']:.0f} errors, "
         f"{totals['events']:.0f} events, {totals['lost_events']:.0f} lost; Pylon busy "
         f"{totals['pylon_busy_cores']:.2f} cores, other work {totals['other_busy_cores']:.2f} cores"
+        f" (before the soak: {host['background_busy_cores']:.2f}, "
+        f"after: {host['background_busy_cores_after']:.2f})"
     )

@@ -180,8 +180,10 @@ def totals(windows: Sequence[Mapping[str, float | int | None]]) -> dict[str, flo
     """Sums over the windows, and the cores other work kept busy on average."""
     keys = ("requests", "ok", "errors", "events", "lost_events", "proxy_cpu_s", "other_cpu_s")
     sums = {key: math.fsum(float(w.get(key) or 0) for w in windows) for key in keys}
-    wall = math.fsum(float(w.get("wall_s") or 0) for w in windows)
-    sums["wall_s"] = wall
-    sums["other_busy_cores"] = sums["other_cpu_s"] / wall if wall else 0.0
-    sums["pylon_busy_cores"] = sums["proxy_cpu_s"] / wall if wall else 0.0
+    # Per second of the interval the CPU times were taken over, not of the load's wall
+    # time (the workers hand their records over after it).
+    accounted = math.fsum(float(w.get("accounted_s") or 0) for w in windows)
+    sums["accounted_s"] = accounted
+    sums["other_busy_cores"] = sums["other_cpu_s"] / accounted if accounted else 0.0
+    sums["pylon_busy_cores"] = sums["proxy_cpu_s"] / accounted if accounted else 0.0
     return sums
