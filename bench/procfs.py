@@ -117,13 +117,13 @@ def cpu_seconds(pid: int) -> float:
     return ticks / CLOCK_TICKS_PER_S
 
 
-def _tree_status_bytes(pid: int, field: str) -> int | None:
-    """A /proc/<pid>/status memory field summed over `pid` and every process below it;
-    None when no process of the tree reports it (the root has exited)."""
+def _tree_kib_field(pid: int, field: str, *, file: str = "status") -> int | None:
+    """A "Name:  123 kB" field of /proc/<pid>/<file> summed over `pid` and every process
+    below it; None when no process of the tree reports it (the root has exited)."""
     values = []
     for member in process_tree(pid):
         with contextlib.suppress(OSError):  # exited since the walk
-            values.append(parse_status_kib(Path(f"/proc/{member}/status").read_text(), field))
+            values.append(parse_status_kib(Path(f"/proc/{member}/{file}").read_text(), field))
     known = [kib for kib in values if kib is not None]
     return sum(known) * 1024 if known else None
 
@@ -131,13 +131,20 @@ def _tree_status_bytes(pid: int, field: str) -> int | None:
 def peak_rss_bytes(pid: int) -> int | None:
     """Sum of the peak RSS of `pid` and every process below it: an upper bound on the
     tree's peak, since the processes need not peak at the same moment."""
-    return _tree_status_bytes(pid, "VmHWM")
+    return _tree_kib_field(pid, "VmHWM")
 
 
 def rss_bytes(pid: int) -> int | None:
     """Current RSS (VmRSS) of `pid` and every process below it. Pages the processes
     share (the interpreter and libraries of exec'd workers) count once per process."""
-    return _tree_status_bytes(pid, "VmRSS")
+    return _tree_kib_field(pid, "VmRSS")
+
+
+def pss_bytes(pid: int) -> int | None:
+    """Proportional set size of `pid` and every process below it: each shared page
+    counts as its share per process mapping it, so the sum is the tree's own memory
+    (smaps_rollup, Linux >= 4.14; None where it is missing)."""
+    return _tree_kib_field(pid, "Pss", file="smaps_rollup")
 
 
 def reset_peak_rss(pid: int) -> bool:

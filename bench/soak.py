@@ -31,7 +31,7 @@ from bench.load import LoadSpec
 from bench.measure import measure
 from bench.output import machine, results_dir, write_json
 from bench.plots import soak_plot
-from bench.procfs import background_busy_cores, rss_bytes
+from bench.procfs import background_busy_cores, pss_bytes, rss_bytes
 from bench.progress import note
 from bench.stats import error_counts
 from bench.table import fmt_mib, fmt_num
@@ -104,10 +104,11 @@ def run_soak(options: SoakOptions) -> dict[str, Any]:
                 command=options.pylon_command,
             )
         )
-        idle_rss = rss_bytes(pylon.pid)
+        idle_rss, idle_pss = rss_bytes(pylon.pid), pss_bytes(pylon.pid)
         windows = _windows(options, out, engine, pylon, [auth] if auth else [])
     host["background_busy_cores_after"] = round(background_busy_cores(), 2)
-    return _report(options, out, windows, host=host, idle_rss=idle_rss)
+    idle = {"idle_rss_bytes": idle_rss, "idle_pss_bytes": idle_pss}
+    return _report(options, out, windows, host=host, idle=idle)
 
 
 def _windows(
@@ -135,7 +136,8 @@ def _windows(
         label = f"window {index + 1}/{options.windows}"
         records, summary = measure(spec, engine=engine, proxy=pylon, label=label)
         window: dict[str, Any] = {"window": index + 1, "end_s": time.monotonic() - start}
-        window |= {"rss_bytes": _alive_rss(pylon), **summary, "error_kinds": error_counts(records)}
+        window |= {"rss_bytes": _alive_rss(pylon), "pss_bytes": pss_bytes(pylon.pid)}
+        window |= {**summary, "error_kinds": error_counts(records)}
         note(_window_line(label, window))
         windows.append(window)
         # Kept up to date, so an interrupted or failed soak still leaves its windows.
@@ -166,7 +168,7 @@ def _report(
     windows: list[dict[str, Any]],
     *,
     host: dict[str, Any],
-    idle_rss: int | None,
+    idle: dict[str, int | None],
 ) -> dict[str, Any]:
     samples = [soak_report.Sample(w["end_s"], w["rss_bytes"]) for w in windows]
     max_growth = options.max_growth_mib * soak_report.MIB
@@ -182,7 +184,7 @@ def _report(
         "command": ["python", "-m", "bench", *sys.argv[1:]],
         "options": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(options).items()},
         "machine": host,
-        "idle_rss_bytes": idle_rss,
+        **idle,
         "windows": windows,
         "totals": totals,
         "verdict": asdict(verdict) | {"slope_mib_per_h": verdict.slope_mib_per_h},
@@ -192,7 +194,7 @@ def _report(
     print(f"\n== soak: {len(windows)} windows of {options.window_s:.0f} s ==")
     print(soak_report.windows_table(windows))
     print()
-    print(soak_report.figures_table(verdict, idle_rss_bytes=idle_rss))
+    print(soak_report.figures_table(verdict, idle=idle, last_pss_bytes=windows[-1]["pss_bytes"]))
     print()
     print(compare_report.targets_table(checks))
     print(_totals_line(totals, host))

@@ -139,20 +139,25 @@ def _signed_mib(value_bytes: float | None) -> str:
     return _signed(None if value_bytes is None else value_bytes / MIB)
 
 
-def figures_table(verdict: SoakVerdict, *, idle_rss_bytes: int | None) -> str:
+def figures_table(
+    verdict: SoakVerdict, *, idle: Mapping[str, int | None], last_pss_bytes: int | None
+) -> str:
     rows = [
-        ["RSS before the first window", fmt_mib(idle_rss_bytes)],
+        ["RSS before the first window", fmt_mib(idle.get("idle_rss_bytes"))],
         ["RSS after the first window", fmt_mib(verdict.first_rss_bytes)],
         ["RSS after the last window", fmt_mib(verdict.last_rss_bytes)],
         ["peak RSS (highest window VmHWM)", fmt_mib(verdict.peak_rss_bytes)],
         ["slope over the second half (MiB/h)", _signed(verdict.slope_mib_per_h)],
         ["growth over the second half", _signed_mib(verdict.growth_bytes)],
+        ["PSS before the first window", fmt_mib(idle.get("idle_pss_bytes"))],
+        ["PSS after the last window", fmt_mib(last_pss_bytes)],
     ]
-    return format_table(["figure", "MiB"], rows)
+    note = "PSS: shared pages split between the processes mapping them"
+    return format_table(["figure", "MiB"], rows) + f"\n({note})"
 
 
 WINDOW_HEADERS = ["window", "end s", "ok", "err", "events", "lost", "Pylon CPU s"]
-WINDOW_HEADERS += ["other CPU s", "RSS", "peak RSS"]
+WINDOW_HEADERS += ["other CPU s", "RSS", "peak RSS", "PSS"]
 
 
 def windows_table(windows: Sequence[Mapping[str, float | int | None]]) -> str:
@@ -169,10 +174,11 @@ def windows_table(windows: Sequence[Mapping[str, float | int | None]]) -> str:
             fmt_num(w.get("other_cpu_s"), 1),
             fmt_mib(w.get("rss_bytes")),
             fmt_mib(w.get("proxy_peak_rss_bytes")),
+            fmt_mib(w.get("pss_bytes")),
         ]
         for w in windows
     ]
-    units = "RSS (after the window) and peak RSS (VmHWM during it) in MiB, of the process tree"
+    units = "RSS and PSS after the window, peak RSS (VmHWM) during it, in MiB, of the process tree"
     return format_table(WINDOW_HEADERS, rows) + f"\n({units})"
 
 

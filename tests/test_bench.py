@@ -213,6 +213,17 @@ def test_vmrss_parser(status: str, expected: int | None) -> None:
     assert procfs.parse_status_kib(status, "VmRSS") == expected
 
 
+SMAPS_ROLLUP = (
+    "55d0c0a00000-7ffd2b5fe000 ---p 00000000 00:00 0                          [rollup]\n"
+    "Rss:               59476 kB\nPss:               39605 kB\nPss_Anon:          37204 kB\n"
+)
+
+
+def test_pss_parser_reads_smaps_rollup() -> None:
+    assert procfs.parse_status_kib(SMAPS_ROLLUP, "Pss") == 39605
+    assert procfs.parse_status_kib(SMAPS_ROLLUP, "Rss") == 59476
+
+
 def test_process_tree_and_its_cpu_include_children() -> None:
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
@@ -224,6 +235,7 @@ def test_process_tree_and_its_cpu_include_children() -> None:
         child_rss = procfs.rss_bytes(child.pid)
         assert own is not None and child_rss is not None and child_rss > 0
         assert (procfs.rss_bytes(os.getpid()) or 0) >= child_rss + own * 1024 // 2
+        assert 0 < (procfs.pss_bytes(child.pid) or 0) <= child_rss
     finally:
         child.kill()
         child.wait()
@@ -487,6 +499,7 @@ def test_soak_smoke_writes_windows_and_figures(tmp_path: Path) -> None:
         assert window["ok"] > 0 and window["errors"] == 0 and window["lost_events"] == 0
         assert window["events"] == window["ok"] * 5
         assert window["rss_bytes"] > 0 and window["proxy_peak_rss_bytes"] > 0
+        assert 0 < window["pss_bytes"] <= window["rss_bytes"]
         assert window["proxy_cpu_s"] is not None
     verdict = written["verdict"]
     assert verdict["first_rss_bytes"] == written["windows"][0]["rss_bytes"]
