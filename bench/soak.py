@@ -31,7 +31,7 @@ from bench.load import LoadSpec
 from bench.measure import measure
 from bench.output import machine, results_dir, write_json
 from bench.plots import soak_plot
-from bench.procfs import background_busy_cores, pss_bytes, rss_bytes
+from bench.procfs import background_busy_cores, process_tree, pss_bytes, rss_bytes
 from bench.progress import note
 from bench.stats import error_counts
 from bench.table import fmt_mib, fmt_num
@@ -137,6 +137,8 @@ def _windows(
         records, summary = measure(spec, engine=engine, proxy=pylon, label=label)
         window: dict[str, Any] = {"window": index + 1, "end_s": time.monotonic() - start}
         window |= {"rss_bytes": _alive_rss(pylon), "pss_bytes": pss_bytes(pylon.pid)}
+        # A restarted worker starts small again and would hide growth: the pids show it.
+        window["pids"] = process_tree(pylon.pid)
         window |= {**summary, "error_kinds": error_counts(records)}
         note(_window_line(label, window))
         windows.append(window)

@@ -507,4 +507,5 @@ def test_soak_smoke_writes_windows_and_figures(tmp_path: Path) -> None:
     assert verdict["fitted_windows"] == 2 and verdict["slope_mib_per_h"] is not None
     assert [type(t["met"]) for t in written["targets"]] == [bool, bool]  # figures, not asserted
     assert written["options"]["pylon_args"] == ["--workers", "2"]
+    assert len(written["windows"][0]["pids"]) == 3  # the supervisor and its two workers
     assert written["machine"]["background_busy_cores"] is not None
