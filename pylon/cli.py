@@ -11,7 +11,6 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import signal
 import sys
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from backends.registry import BACKEND_TYPES
 from pylon.app import RunningPylon, StartupError, start_pylon
 from pylon.config import Settings, load_settings, split_host_port
 from pylon.logs import configure_logging
+from pylon.signals import SecondSignal, ShutdownSignals
 from pylon.supervisor import RunningSupervisor, supervise_until_signalled
 
 logger = logging.getLogger("pylon")
@@ -293,23 +293,17 @@ async def serve_until_signalled(
 ) -> int:
     """Serve until SIGTERM/SIGINT, then drain; a second signal stops at once."""
     pylon = await start_pylon(settings, reuse_port=reuse_port)
-    signals = asyncio.Queue[int]()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, signals.put_nowait, signum)
+    signals = ShutdownSignals()
     on_started(pylon)
     try:
-        await signals.get()
+        await signals.first()
         logger.info("draining", extra={"grace_s": settings.drain_grace_s})
-        drain = asyncio.ensure_future(pylon.drain(grace_s=settings.drain_grace_s))
-        second = asyncio.ensure_future(signals.get())
-        done, _ = await asyncio.wait({drain, second}, return_when=asyncio.FIRST_COMPLETED)
-        for task in (drain, second):
-            task.cancel()
-        if second in done:
+        try:
+            drained = await signals.unless_another(pylon.drain(grace_s=settings.drain_grace_s))
+        except SecondSignal:
             logger.warning("second signal: stopping without waiting for in-flight requests")
             return 1
-        if not drain.result():
+        if not drained:
             logger.warning("drain grace period over: closing remaining streams")
         return 0
     finally:

@@ -51,6 +51,7 @@ from pylon.app import CUT_SETTLE_S, StartupError, certificate_files, start_mock_
 from pylon.config import Settings, TlsSettings, split_host_port
 from pylon.metrics import SupervisorMetrics
 from pylon.metrics_merge import merge_expositions, render
+from pylon.signals import SecondSignal, ShutdownSignals
 
 __all__ = [
     "PoolTiming",
@@ -472,28 +473,22 @@ async def supervise_until_signalled(
 ) -> int:
     """Supervise until SIGTERM/SIGINT, then drain the workers; a second signal stops at once."""
     supervisor = await start_supervisor(settings)
-    signals = asyncio.Queue[int]()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, signals.put_nowait, signum)
+    signals = ShutdownSignals()
     on_started(supervisor)
     try:
-        await signals.get()
+        await signals.first()
         logger.info(
             "draining %d workers", settings.workers, extra={"grace_s": settings.drain_grace_s}
         )
         supervisor.start_drain()
-        exited = asyncio.ensure_future(
-            supervisor.workers.wait_exited(_worker_stop_timeout(settings))
-        )
-        second = asyncio.ensure_future(signals.get())
-        done, _ = await asyncio.wait({exited, second}, return_when=asyncio.FIRST_COMPLETED)
-        for task in (exited, second):
-            task.cancel()
-        if second in done:
+        try:
+            exited = await signals.unless_another(
+                supervisor.workers.wait_exited(_worker_stop_timeout(settings))
+            )
+        except SecondSignal:
             logger.warning("second signal: stopping workers without waiting for in-flight requests")
             supervisor.workers.signal_all(signal.SIGTERM)
             return 1
-        return 0 if exited.result() else 1
+        return 0 if exited else 1
     finally:
         await supervisor.close()
