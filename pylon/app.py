@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 from dataclasses import dataclass, field
 from importlib.metadata import version
 from pathlib import Path
@@ -144,11 +145,12 @@ async def start_pylon(
     registry: CollectorRegistry | None = None,
     probe_interval_s: float = PROBE_INTERVAL_S,
     tracer_provider: Any = None,
-    reuse_port: bool = False,
+    tunnel_socket: socket.socket | None = None,
 ) -> RunningPylon:
     """Start every part; `tracer_provider` lets tests collect spans in memory.
 
-    `reuse_port` is for worker processes sharing one UDP port (`pylon.workers`).
+    `tunnel_socket` is a worker's bound socket of the port's SO_REUSEPORT group
+    (`pylon.supervisor`); without it the tunnel binds `settings.listen`.
     """
     registry = registry if registry is not None else CollectorRegistry()
     configuration = quic_configuration(settings)
@@ -183,7 +185,7 @@ async def start_pylon(
             auth=auth,
         )
         tunnel = await _start_listener(
-            settings, configuration, service, auth=auth, metrics=metrics, reuse_port=reuse_port
+            settings, configuration, service, auth=auth, metrics=metrics, sock=tunnel_socket
         )
         stack.callback(tunnel.close)
         readiness = Readiness(listener_up=True)
@@ -248,7 +250,7 @@ async def _start_listener(
     *,
     auth: TunnelAuth,
     metrics: Metrics,
-    reuse_port: bool,
+    sock: socket.socket | None,
 ) -> TunnelServer:
     host, port = split_host_port(settings.listen)
     limits = settings.limits
@@ -273,7 +275,7 @@ async def _start_listener(
             on_connection_refused=metrics.connection_refused,
             on_stream_refused=metrics.request_rejected,
         ),
-        reuse_port=reuse_port,
+        sock=sock,
     )
 
 

@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import socket
 import sys
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
@@ -289,10 +290,10 @@ async def serve_until_signalled(
     settings: Settings,
     *,
     on_started: Callable[[RunningPylon], None],
-    reuse_port: bool = False,
+    tunnel_socket: socket.socket | None = None,
 ) -> int:
     """Serve until SIGTERM/SIGINT, then drain; a second signal stops at once."""
-    pylon = await start_pylon(settings, reuse_port=reuse_port)
+    pylon = await start_pylon(settings, tunnel_socket=tunnel_socket)
     signals = ShutdownSignals()
     on_started(pylon)
     try:

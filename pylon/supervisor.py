@@ -1,11 +1,22 @@
 """Multi-process Pylon (`workers > 1`): worker processes on one UDP port, one admin endpoint.
 
 One asyncio process tops out at one core, and a busy GPU node's tunnel
-traffic needs more (docs/performance.md). The supervisor starts `workers`
-copies of Pylon (`pylon.worker`), each with its own event loop and its own
-SO_REUSEPORT socket on the tunnel port: the kernel hashes each datagram's
-4-tuple to one socket, so a gateway connection stays on the worker that
-accepted it for as long as the gateway's address does not change.
+traffic needs more (docs/performance.md). The supervisor binds `workers` UDP
+sockets on the tunnel port, one SO_REUSEPORT group, and starts `workers`
+copies of Pylon (`pylon.worker`), each with its own event loop serving one of
+those sockets: the kernel hashes each datagram's 4-tuple to one socket of the
+group, so a gateway connection stays on the worker that accepted it for as
+long as the gateway's address does not change.
+
+The supervisor keeps every socket of the group open, and a restarted worker
+gets the same socket again. The group never changes while Pylon runs, so
+neither does the kernel's hash: a worker's crash or restart moves no
+connection of another worker. (Were each worker to bind its own socket, the
+group would shrink and regrow around a restart, and the kernel would map the
+other workers' connections to different sockets, which then drop them as
+unknown.) Datagrams that reach a dead worker's socket wait in its receive
+buffer for the restarted worker: new connections are answered late, not
+refused; the dead worker's own connections are gone with its state.
 
 The supervisor itself serves no tunnel traffic. It:
 - prepares what must happen once (the --dev certificate and mock engine, a
@@ -18,10 +29,6 @@ The supervisor itself serves no tunnel traffic. It:
 - on SIGTERM stops being ready and passes SIGTERM on: each worker drains its
   own connections (GOAWAY, grace period) and exits; a second signal is passed
   on too and stops them at once.
-
-Restarting a worker changes the kernel's socket set for the port, so some
-connections held by other workers may be hashed elsewhere and time out; the
-gateway reconnects. A connection-ID-aware BPF steering program would avoid it.
 """
 
 from __future__ import annotations
@@ -111,14 +118,18 @@ class Worker:
         return f"http://127.0.0.1:{self.admin_port}{path}"
 
 
-async def spawn_worker(index: int, payload: bytes, *, ready_timeout_s: float) -> Worker:
-    """Start `python -m pylon.worker` and wait for its ready line."""
+async def spawn_worker(
+    index: int, settings: Settings, tunnel_socket: socket.socket, *, ready_timeout_s: float
+) -> Worker:
+    """Start `python -m pylon.worker` on `tunnel_socket` and wait for its ready line."""
+    payload = worker_payload(settings, supervisor_pid=os.getpid(), tunnel_fd=tunnel_socket.fileno())
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
         "pylon.worker",
         stdin=asyncio.subprocess.PIPE,
         stdout=asyncio.subprocess.PIPE,
+        pass_fds=(tunnel_socket.fileno(),),
         # Its own process group: a terminal's Ctrl-C reaches the supervisor
         # only, which then drains the workers instead of cutting them.
         start_new_session=True,
@@ -142,19 +153,20 @@ async def spawn_worker(index: int, payload: bytes, *, ready_timeout_s: float) ->
 
 
 class WorkerPool:
-    """`count` workers kept running; queried over their admin ports."""
+    """One worker per tunnel socket, kept running; queried over their admin ports."""
 
     def __init__(
         self,
         *,
-        payload: bytes,
-        count: int,
+        settings: Settings,
+        tunnel_sockets: list[socket.socket],
         metrics: SupervisorMetrics,
         client: httpx.AsyncClient,
         timing: PoolTiming = PoolTiming(),
     ) -> None:
-        self._payload = payload
-        self._slots: list[Worker | None] = [None] * count
+        self._settings = settings
+        self._tunnel_sockets = tunnel_sockets
+        self._slots: list[Worker | None] = [None] * len(tunnel_sockets)
         self._metrics = metrics
         self._client = client
         self._timing = timing
@@ -250,7 +262,10 @@ class WorkerPool:
 
     async def _spawn(self, index: int) -> Worker:
         return await spawn_worker(
-            index, self._payload, ready_timeout_s=self._timing.ready_timeout_s
+            index,
+            self._settings,
+            self._tunnel_sockets[index],
+            ready_timeout_s=self._timing.ready_timeout_s,
         )
 
     async def _keep_running(self, index: int) -> None:
@@ -372,25 +387,34 @@ class RunningSupervisor:
         await self._cleanup.aclose()
 
 
-def worker_payload(settings: Settings, *, supervisor_pid: int) -> bytes:
+def worker_payload(settings: Settings, *, supervisor_pid: int, tunnel_fd: int) -> bytes:
     """What `pylon.worker` reads on stdin."""
     return json.dumps(
-        {"supervisor_pid": supervisor_pid, "settings": settings.model_dump(mode="json")}
+        {
+            "supervisor_pid": supervisor_pid,
+            "tunnel_fd": tunnel_fd,
+            "settings": settings.model_dump(mode="json"),
+        }
     ).encode()
 
 
-def reserve_udp_port(host: str, port: int) -> socket.socket:
-    """Bind the tunnel address with SO_REUSEPORT: fails early if something else holds
-    it, and turns port 0 into the concrete port every worker then binds."""
+def bind_tunnel_sockets(host: str, port: int, count: int) -> list[socket.socket]:
+    """`count` UDP sockets on one address, one SO_REUSEPORT group. The first bind
+    fails early if something else holds the port and turns port 0 into the
+    concrete port the others then join."""
     family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
-    sock = socket.socket(family, kind, proto)
+    sockets: list[socket.socket] = []
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        sock.bind(address)
+        for _ in range(count):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            sock.bind(sockets[0].getsockname() if len(sockets) > 1 else address)
     except OSError:
-        sock.close()
+        for sock in sockets:
+            sock.close()
         raise
-    return sock
+    return sockets
 
 
 def worker_settings(
@@ -420,7 +444,9 @@ async def start_supervisor(
     cert_file, key_file = certificate_files(settings)
     host, port = split_host_port(settings.listen)
     async with contextlib.AsyncExitStack() as stack:  # unwinds only if start-up fails
-        reservation = stack.enter_context(reserve_udp_port(host, port))
+        tunnel_sockets = bind_tunnel_sockets(host, port, settings.workers)
+        for tunnel_socket in tunnel_sockets:  # closed last: after the workers stopped
+            stack.callback(tunnel_socket.close)
         mock_engine, upstream_url = await start_mock_if_needed(settings)
         if mock_engine is not None:
             stack.push_async_callback(mock_engine.close)
@@ -429,7 +455,7 @@ async def start_supervisor(
         ProcessCollector(registry=registry)
         PlatformCollector(registry=registry)
         metrics = SupervisorMetrics(registry, configured_workers=settings.workers)
-        port = int(reservation.getsockname()[1])
+        port = int(tunnel_sockets[0].getsockname()[1])
         concrete = worker_settings(
             settings,
             port=port,
@@ -437,8 +463,8 @@ async def start_supervisor(
             tls=TlsSettings(cert_file=cert_file, key_file=key_file),
         )
         pool = WorkerPool(
-            payload=worker_payload(concrete, supervisor_pid=os.getpid()),
-            count=settings.workers,
+            settings=concrete,
+            tunnel_sockets=tunnel_sockets,
             metrics=metrics,
             client=client,
             timing=timing,
@@ -446,7 +472,6 @@ async def start_supervisor(
         await pool.start()
         stack.push_async_callback(pool.stop, timeout_s=_worker_stop_timeout(settings))
         metrics.running_gauge(lambda: len(pool.running()))
-        reservation.close()  # the workers hold the port now; an idle socket would eat datagrams
         routes = SupervisorRoutes(registry=registry, workers=pool)
         admin_host, admin_port = split_host_port(settings.admin_listen)
         admin = await start_admin_server(admin_host, admin_port, routes.respond)

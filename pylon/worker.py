@@ -1,12 +1,14 @@
 """One worker process of a multi-process Pylon (`python -m pylon.worker`, started by
 `pylon.supervisor`, never by hand).
 
-The supervisor writes its pid and the worker's complete settings as JSON on
-stdin (`pylon.supervisor.worker_payload`: the certificate already generated, the upstream URL
-resolved, the admin server on an ephemeral loopback port) and reads one JSON
-line back on stdout once the worker serves: its pid and admin port. The
-worker then serves like a single Pylon, with SO_REUSEPORT on the tunnel
-socket, until SIGTERM (drain) or a second signal (stop at once). If the
+The supervisor writes its pid, the worker's complete settings and the number
+of the tunnel socket it passed down as JSON on stdin
+(`pylon.supervisor.worker_payload`: the certificate already generated, the
+upstream URL resolved, the admin server on an ephemeral loopback port) and
+reads one JSON line back on stdout once the worker serves: its pid and admin
+port. The worker then serves like a single Pylon on that socket, one of the
+port's SO_REUSEPORT group, until SIGTERM (drain) or a second signal (stop at
+once). If the
 supervisor dies, the kernel sends the worker SIGTERM (Linux parent-death
 signal), so no worker outlives it.
 """
@@ -17,6 +19,7 @@ import ctypes
 import json
 import os
 import signal
+import socket
 import sys
 
 from pylon.app import RunningPylon, StartupError
@@ -50,10 +53,11 @@ def main() -> int:
     payload = json.loads(sys.stdin.buffer.read())
     exit_with_parent(payload["supervisor_pid"])
     settings = Settings.model_validate(payload["settings"])
+    tunnel_socket = socket.socket(fileno=payload["tunnel_fd"])
     configure_logging(level=settings.log_level, human=settings.dev)
     try:
         return run_event_loop(
-            serve_until_signalled(settings, on_started=announce, reuse_port=True),
+            serve_until_signalled(settings, on_started=announce, tunnel_socket=tunnel_socket),
             choice=settings.event_loop,
         )
     except StartupError as error:

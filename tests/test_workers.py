@@ -33,7 +33,7 @@ from pylon.metrics_merge import merge_expositions, render, rule_for
 from pylon.supervisor import PoolTiming, start_supervisor, worker_settings
 from tests.harness import CHAT, eventually, run, tunnel_headers
 from tests.test_admin import documented_metrics
-from tunnel.client import client_configuration, open_client
+from tunnel.client import H3Client, client_configuration, open_client
 
 BODY = orjson.dumps({"model": "mock-model", "messages": []})
 STREAM_BODY = orjson.dumps({"model": "mock-model", "stream": True, "messages": []})
@@ -288,14 +288,7 @@ def test_a_killed_worker_is_restarted_and_the_port_keeps_serving(tmp_path: Path)
                 victim = next(iter(tree.worker_admin_ports))
                 os.kill(victim, signal.SIGKILL)
 
-                async def restarted() -> bool:
-                    text = await tree.metrics()
-                    return (
-                        _value(text, "pylon_worker_restarts_total", {"reason": "crashed"}) == 1
-                        and _value(text, "pylon_workers_running") == 2
-                    )
-
-                assert await eventually(restarted, within_s=15), "worker not restarted"
+                assert await eventually(lambda: _restarted_once(tree), within_s=15)
                 assert await eventually(lambda: _is_ready(tree), within_s=10)
                 statuses = await asyncio.gather(
                     *(_requests_on_one_connection(tree.port, f"r{n}", 2) for n in range(8))
@@ -305,6 +298,73 @@ def test_a_killed_worker_is_restarted_and_the_port_keeps_serving(tmp_path: Path)
             await engine.close()
 
     run(scenario(), timeout_s=90)
+
+
+async def _restarted_once(tree: Tree) -> bool:
+    text = await tree.metrics()
+    return (
+        _value(text, "pylon_worker_restarts_total", {"reason": "crashed"}) == 1
+        and _value(text, "pylon_workers_running") == 2
+    )
+
+
+async def _answered(client: H3Client, name: str, *, within_s: float) -> bool:
+    """One request on an open connection; False if no answer came within `within_s`."""
+    try:
+        async with asyncio.timeout(within_s):
+            response = await client.request("POST", CHAT, headers=tunnel_headers(name), body=BODY)
+            await response.read()
+    except TimeoutError:
+        return False
+    return response.status == 200
+
+
+@pytest.mark.e2e
+def test_a_worker_restart_moves_no_connection_of_the_other_workers(tmp_path: Path) -> None:
+    connections = 12
+
+    async def scenario() -> None:
+        engine = MockEngine(MockEngineOptions(tokens=3, token_delay_s=0))
+        await engine.start()
+        configuration = client_configuration(verify=False)
+        try:
+            async with (
+                pylon_workers(engine, tmp_path, workers=2) as tree,
+                contextlib.AsyncExitStack() as held,
+            ):
+                clients = [
+                    await held.enter_async_context(
+                        open_client("127.0.0.1", tree.port, configuration=configuration)
+                    )
+                    for _ in range(connections)
+                ]
+                assert all(
+                    await asyncio.gather(
+                        *(_answered(c, f"a{n}", within_s=10) for n, c in enumerate(clients))
+                    )
+                )
+                served = {
+                    pid: int(_value(await tree.metrics(port), *INFERENCE_2XX))
+                    for pid, port in tree.worker_admin_ports.items()
+                }
+                # The victim is the worker with fewer connections, so the survivor holds some.
+                victim, survivor = sorted(served, key=served.__getitem__)
+                os.kill(victim, signal.SIGKILL)
+
+                assert await eventually(lambda: _restarted_once(tree), within_s=15)
+                assert await eventually(lambda: _is_ready(tree), within_s=10)
+                answered = await asyncio.gather(
+                    *(_answered(c, f"b{n}", within_s=5) for n, c in enumerate(clients))
+                )
+                # Every connection of the surviving worker still reaches it; only the
+                # killed worker's connections are gone (their state died with it).
+                assert sum(answered) == served[survivor], (served, answered)
+                # The restarted worker takes new connections on the same port.
+                assert await _requests_on_one_connection(tree.port, "c", 2) == [200, 200]
+        finally:
+            await engine.close()
+
+    run(scenario(), timeout_s=120)
 
 
 @pytest.mark.e2e

@@ -93,14 +93,13 @@ async def start_tunnel(
     handler: Handler,
     options: TunnelOptions,
     registry_factory: Callable[[], ConnectionRegistry] = ConnectionRegistry,
-    reuse_port: bool = False,
+    sock: socket.socket | None = None,
 ) -> TunnelServer:
     """Bind the UDP port and serve HTTP/3 on it.
 
-    `reuse_port` lets several worker processes bind the same port: the kernel
-    spreads datagrams over their sockets by a hash of the 4-tuple, so every
-    packet of one connection reaches the same worker while the gateway's
-    address stays put.
+    `sock`, when given, is an already bound UDP socket to serve on instead of
+    binding `host:port`: a worker process gets its socket of the port's
+    SO_REUSEPORT group from the supervisor that holds the group open.
     """
     registry = registry_factory()
     configuration.alpn_protocols = H3_ALPN
@@ -110,16 +109,20 @@ async def start_tunnel(
         return TunnelProtocol(*args, handler=handler, options=options, registry=registry, **kwargs)
 
     tickets = SingleUseTickets() if options.session_tickets else None
-    _, server = await asyncio.get_running_loop().create_datagram_endpoint(
-        lambda: QuicServer(
+
+    def create_server() -> QuicServer:
+        return QuicServer(
             configuration=configuration,
             create_protocol=create_protocol,
             session_ticket_fetcher=tickets.take if tickets else None,
             session_ticket_handler=tickets.add if tickets else None,
-        ),
-        local_addr=(host, port),
-        reuse_port=reuse_port or None,
-    )
+        )
+
+    loop = asyncio.get_running_loop()
+    if sock is not None:
+        _, server = await loop.create_datagram_endpoint(create_server, sock=sock)
+    else:
+        _, server = await loop.create_datagram_endpoint(create_server, local_addr=(host, port))
     _raise_socket_buffers(server, options.udp_buffer_bytes)
     return TunnelServer(server, registry)
 
