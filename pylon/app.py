@@ -29,7 +29,7 @@ from pylon.admin import AdminServer, start_admin
 from pylon.auth import Admission, AuthSetupError, TunnelAuth, tunnel_auth_from
 from pylon.config import Settings, split_host_port
 from pylon.devcert import ensure_dev_certificate
-from pylon.forwarder import Forwarder, build_upstream_client
+from pylon.forwarder import Forwarder, build_upstream_client, build_upstream_transport
 from pylon.metrics import DenyList, Metrics
 from pylon.pipeline import PipelineOptions
 from pylon.readiness import PROBE_INTERVAL_S, EngineProbe, Readiness
@@ -165,9 +165,10 @@ async def start_pylon(
         upstream = settings.upstream.model_copy(update={"url": upstream_url})
         adapter = build_adapter(settings.backend, settings.priority)
         metrics = _metrics_for(adapter, registry)
-        client = build_upstream_client(upstream)
+        transport = build_upstream_transport(upstream)
+        client = build_upstream_client(upstream, transport)  # closing it closes the transport
         stack.push_async_callback(client.aclose)
-        forwarder = Forwarder(client, upstream)
+        forwarder = Forwarder(transport, upstream)
         try:
             tracing = build_tracing(
                 enabled=settings.tracing.enabled,

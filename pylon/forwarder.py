@@ -1,4 +1,13 @@
-"""The upstream edge: one pooled httpx client, streaming both ways, with LLM-shaped budgets.
+"""The upstream edge: one pooled httpx transport, streaming both ways, with LLM-shaped budgets.
+
+Requests go to the transport as `httpx.Request`s, not through an
+`httpx.AsyncClient`: a client is a user agent, and a proxy must not be one. It
+keeps a cookie jar (a Set-Cookie from the engine on one gateway request would
+ride on every later request, whoever sent it) and adds default headers the
+gateway did not send (`accept-encoding: gzip, deflate` would let the engine
+compress an answer no one asked to be compressed). Skipping the client also
+skips its URL merging and redirect and auth machinery, a tenth of Pylon's CPU
+per small request.
 
 httpx's read timeout applies to every read, including the wait for the
 response head, but time to first token can be minutes: so httpx gets no read
@@ -58,19 +67,26 @@ UPSTREAM_TRANSPORTS: dict[str, Callable[[httpx.Limits], httpx.AsyncBaseTransport
 docs/performance.md); httpcore is httpx's stock transport, kept as a fallback."""
 
 
-def build_upstream_client(
-    settings: UpstreamSettings, *, transport: httpx.AsyncBaseTransport | None = None
-) -> httpx.AsyncClient:
-    """`transport` replaces the configured one (tests inject failures through it)."""
-    timeout = httpx.Timeout(
+def build_upstream_transport(settings: UpstreamSettings) -> httpx.AsyncBaseTransport:
+    return UPSTREAM_TRANSPORTS[settings.transport](upstream_limits(settings))
+
+
+def upstream_timeouts(settings: UpstreamSettings) -> httpx.Timeout:
+    return httpx.Timeout(
         connect=settings.connect_timeout_s,
         read=None,
         write=settings.idle_timeout_s,
         pool=settings.pool_timeout_s,
     )
-    if transport is None:
-        transport = UPSTREAM_TRANSPORTS[settings.transport](upstream_limits(settings))
-    return httpx.AsyncClient(transport=transport, timeout=timeout, trust_env=False)
+
+
+def build_upstream_client(
+    settings: UpstreamSettings, transport: httpx.AsyncBaseTransport
+) -> httpx.AsyncClient:
+    """A client on the forwarder's transport, for Pylon's own calls (the engine probe)."""
+    return httpx.AsyncClient(
+        transport=transport, timeout=upstream_timeouts(settings), trust_env=False
+    )
 
 
 @dataclass(frozen=True)
@@ -179,12 +195,13 @@ class AttemptTrace:
 
 
 class Forwarder:
-    def __init__(self, client: httpx.AsyncClient, settings: UpstreamSettings) -> None:
+    def __init__(self, transport: httpx.AsyncBaseTransport, settings: UpstreamSettings) -> None:
         if settings.url is None:
             raise ValueError("upstream.url is required")
-        self._client = client
+        self._transport = transport
         self._base_url = settings.url
         self._settings = settings
+        self._timeouts = upstream_timeouts(settings).as_dict()
 
     @contextlib.asynccontextmanager
     async def exchange(
@@ -229,12 +246,18 @@ class Forwarder:
         """
         for attempt in range(2):
             trace = AttemptTrace()
-            request = self._client.build_request(
-                method, url, headers=list(headers), content=content, extensions={"trace": trace}
+            request = httpx.Request(
+                method,
+                url,
+                headers=list(headers),
+                content=content,
+                extensions={"trace": trace, "timeout": self._timeouts},
             )
             try:
                 async with map_upstream_errors():
-                    return await self._client.send(request, stream=True)
+                    response = await self._transport.handle_async_request(request)
+                response.request = request
+                return response
             except UpstreamError as error:
                 if not trace.head_unsent:
                     raise

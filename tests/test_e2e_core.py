@@ -12,6 +12,7 @@ import pytest
 
 from backends.mock import MockEngineOptions
 from tests.harness import CHAT, eventually, run, stack, tunnel_headers
+from tests.test_upstream_transport import Engine, Exchange
 from tunnel.types import StreamAborted
 
 pytestmark = pytest.mark.e2e
@@ -254,5 +255,40 @@ def test_a_slow_gateway_does_not_count_as_an_idle_engine(tmp_path: Path) -> None
             await asyncio.sleep(1.0)  # the gateway stalls well past the engine idle budget
             rest = b"".join([chunk async for chunk in chunks])
             assert (first + rest).endswith(b"data: [DONE]\n\n")
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("transport", ["h11", "httpcore"])
+def test_pylon_adds_no_header_and_keeps_no_cookie_between_requests(
+    tmp_path: Path, transport: str
+) -> None:
+    """A proxy is not a user agent: what the engine gets is what the gateway sent
+    (less the stripped headers, plus framing), and a Set-Cookie answered to one
+    request never rides on another."""
+
+    async def set_cookie(exchange: Exchange) -> None:
+        await exchange.reply(b"{}", headers=[("set-cookie", "session=tenant-a; Path=/")])
+
+    async def scenario() -> None:
+        async with (
+            Engine(set_cookie) as engine,
+            stack(
+                tmp_path, engine=None, upstream_url=engine.url, upstream={"transport": transport}
+            ) as s,
+            s.client() as client,
+        ):
+            for name in ("tenant-a", "tenant-b"):
+                response = await client.request(
+                    "POST", CHAT, headers=tunnel_headers(name), body=CHAT_BODY
+                )
+                await response.read()
+                assert response.status == 200
+            forwarded = [e for e in engine.requests if e.request.method == b"POST"]
+            assert len(forwarded) == 2  # the readiness probe's GETs aside
+            for exchange in forwarded:
+                received = {name for name, _ in exchange.request.headers}
+                framing = {b"content-length", b"transfer-encoding"}
+                assert received - framing == {b"host", b"content-type", b"x-request-id"}
 
     run(scenario())

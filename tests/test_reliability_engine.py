@@ -22,13 +22,14 @@ from pathlib import Path
 from typing import Any
 
 import httpcore
+import httpx
 import orjson
 import pytest
 
 from backends.mock import MockEngine, MockEngineOptions
 from pylon.config import UpstreamSettings
 from pylon.errors import UpstreamReset
-from pylon.forwarder import Forwarder, build_upstream_client, upstream_limits
+from pylon.forwarder import Forwarder, build_upstream_transport, upstream_limits
 from pylon.readiness import ProbeResult
 from pylon.upstream_connection import Streams, UpstreamReader
 from pylon.upstream_transport import H11Transport
@@ -326,19 +327,19 @@ async def breaking_forwarder(
     await engine.start()
     settings = UpstreamSettings(url=engine.url, transport=transport)
     backend = BreakingBackend()
+    upstream: httpx.AsyncBaseTransport
     if transport == "h11":
-        h11_transport = H11Transport(
+        upstream = H11Transport(
             limits=upstream_limits(settings), open_connection=backend.open_connection
         )
-        client = build_upstream_client(settings, transport=h11_transport)
     else:
-        client = build_upstream_client(settings)
+        upstream = build_upstream_transport(settings)
         # httpx has no public hook for httpcore's network backend; tests only.
-        client._transport._pool._network_backend = backend  # type: ignore[attr-defined]
+        upstream._pool._network_backend = backend  # type: ignore[attr-defined]
     try:
-        yield Forwarder(client, settings), backend, engine
+        yield Forwarder(upstream, settings), backend, engine
     finally:
-        await client.aclose()
+        await upstream.aclose()
         await engine.close()
 
 
