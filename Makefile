@@ -34,8 +34,11 @@ lint: install
 typecheck: install
 	$(BIN)/mypy
 
+# Everything on the loop Pylon runs on by default (uvloop), then the end-to-end
+# tests again on asyncio's own loop, the fallback (`event_loop = asyncio`).
 pytest: install tools
 	PATH="$(TEST_PATH)" $(BIN)/pytest
+	PATH="$(TEST_PATH)" PYLON_EVENT_LOOP=asyncio $(BIN)/pytest -m e2e
 
 test: lint typecheck pytest
 

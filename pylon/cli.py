@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import ValidationError
 
@@ -29,6 +29,7 @@ from pylon.signals import SecondSignal, ShutdownSignals
 from pylon.supervisor import RunningSupervisor, supervise_until_signalled
 
 logger = logging.getLogger("pylon")
+T = TypeVar("T")
 
 
 def parse_bool(text: str) -> bool:
@@ -172,7 +173,12 @@ SERVE_FLAGS: tuple[Flag, ...] = (
         "OpenTelemetry spans (OTLP, configured by OTEL_*)",
         boolean=True,
     ),
-    Flag("--event-loop", "event_loop", "asyncio (default) or uvloop", metavar="LOOP"),
+    Flag(
+        "--event-loop",
+        "event_loop",
+        "auto (default: uvloop if installed), uvloop or asyncio",
+        metavar="LOOP",
+    ),
     Flag("--state-dir", "state_dir", "where --dev keeps its certificate", metavar="DIR"),
     Flag("--log-level", "log_level", "debug, info, warning or error", metavar="LEVEL"),
 )
@@ -311,13 +317,15 @@ async def serve_until_signalled(
         await pylon.close()
 
 
-def run_event_loop(main: Coroutine[Any, Any, int], *, choice: str) -> int:
-    """Run on asyncio, or on uvloop when chosen (and installed)."""
+def run_event_loop(main: Coroutine[Any, Any, T], *, choice: str) -> T:
+    """Run on uvloop or asyncio's own loop, as `event_loop` chooses (pylon.config)."""
     if choice == "asyncio":
         return asyncio.run(main)
     try:
         import uvloop
     except ImportError:
+        if choice == "auto":
+            return asyncio.run(main)
         main.close()
         raise StartupError("event_loop = uvloop but uvloop is not installed") from None
     return uvloop.run(main)

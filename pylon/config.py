@@ -175,9 +175,10 @@ class Settings(BaseSettings):
     state_dir: Path = Path(".pylon")
     """Where development state (the generated certificate) is kept."""
     log_level: str = "info"
-    event_loop: Literal["asyncio", "uvloop"] = "asyncio"
-    """asyncio by default: with aioquic's datagram path uvloop measured slower
-    here (docs/performance.md); `uvloop` needs it installed."""
+    event_loop: Literal["auto", "uvloop", "asyncio"] = "auto"
+    """`auto` runs on uvloop when it is installed (it is a dependency on Linux),
+    else on asyncio's own loop: uvloop costs 0.6-0.8x the CPU per request and
+    per streamed event (docs/performance.md). `uvloop` refuses to start without it."""
     derive_priority: bool = True
     """Kill switch for priority derivation; the trust-boundary strip is never switched off."""
     health_paths: tuple[str, ...] = ()

@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry
 
 from backends.mock import MockEngine, MockEngineOptions
 from pylon.app import RunningPylon, start_pylon
+from pylon.cli import run_event_loop
 from pylon.config import Settings
 from tunnel.client import H3Client, client_configuration, open_client
 
@@ -37,7 +38,9 @@ def run(coro: Coroutine[Any, Any, T], *, timeout_s: float = 60.0) -> T:
     async def bounded() -> T:
         return await asyncio.wait_for(coro, timeout_s)
 
-    return asyncio.run(bounded())
+    # The loop the product runs on (`event_loop = auto`: uvloop when installed);
+    # PYLON_EVENT_LOOP=asyncio runs the tests, and the Pylons they start, on the fallback.
+    return run_event_loop(bounded(), choice=os.environ.get("PYLON_EVENT_LOOP", "auto"))
 
 
 @dataclass

@@ -764,7 +764,9 @@ def test_a_dead_connection_fails_the_head_write_and_says_so() -> None:
             await http.get(engine.url)
             # Dies after the pool's liveness check and before the head is written:
             # the same loop iteration, so only the write itself can notice.
-            writers[0].get_extra_info("socket").shutdown(socket.SHUT_WR)
+            raw = writers[0].get_extra_info("socket")
+            with socket.fromfd(raw.fileno(), raw.family, raw.type) as alias:
+                alias.shutdown(socket.SHUT_WR)  # the loop's own socket object may not offer it
             with pytest.raises(httpx.WriteError):
                 await http.get(engine.url, extensions={"trace": trace})
             assert trace.events == ["http11.send_request_headers.failed"]

@@ -202,7 +202,9 @@ async def pylon_workers(engine: MockEngine, tmp_path: Path, workers: int) -> Asy
     finally:
         if process.returncode is None:
             process.kill()
-            await process.wait()
+        await process.wait()
+        # Read the pipe to its end, so its transport closes before the loop does.
+        await asyncio.wait_for(process.stdout.read(), 10)
 
 
 async def _is_ready(tree: Tree) -> bool:
