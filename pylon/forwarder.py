@@ -98,7 +98,11 @@ class UpstreamResponse:
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """Body bytes exactly as the engine sent them, one chunk per socket read."""
-        raw = self._response.aiter_raw()
+        # The transport's byte stream itself: `Response.aiter_raw` would only add a
+        # generator per chunk (re-chunking and byte counting, both unused here).
+        stream = self._response.stream
+        assert isinstance(stream, httpx.AsyncByteStream)
+        raw = aiter(stream)
         watchdog = IdleWatchdog(self._idle_timeout_s)
         try:
             while True:
