@@ -177,8 +177,8 @@ class Settings(BaseSettings):
     log_level: str = "info"
     event_loop: Literal["auto", "uvloop", "asyncio"] = "auto"
     """`auto` runs on uvloop when it is installed (it is a dependency on Linux),
-    else on asyncio's own loop: uvloop costs 0.6-0.8x the CPU per request and
-    per streamed event (docs/performance.md). `uvloop` refuses to start without it."""
+    else on asyncio's own loop: under load uvloop costs 0.6-0.75x its CPU per
+    request and per streamed event (docs/performance.md). `uvloop` refuses to start without it."""
     derive_priority: bool = True
     """Kill switch for priority derivation; the trust-boundary strip is never switched off."""
     health_paths: tuple[str, ...] = ()
