@@ -284,6 +284,7 @@ def test_pylon_adds_no_header_and_keeps_no_cookie_between_requests(
                 )
                 await response.read()
                 assert response.status == 200
+                assert response.header("set-cookie") == "session=tenant-a; Path=/"
             forwarded = [e for e in engine.requests if e.request.method == b"POST"]
             assert len(forwarded) == 2  # the readiness probe's GETs aside
             for exchange in forwarded:
