@@ -409,7 +409,8 @@ def bind_tunnel_sockets(host: str, port: int, count: int) -> list[socket.socket]
             sock = socket.socket(family, kind, proto)
             sockets.append(sock)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            sock.bind(sockets[0].getsockname() if len(sockets) > 1 else address)
+            sock.bind(address)
+            address = sock.getsockname()  # port 0 is now concrete: the others join it
     except OSError:
         for sock in sockets:
             sock.close()

@@ -8,9 +8,8 @@ upstream URL resolved, the admin server on an ephemeral loopback port) and
 reads one JSON line back on stdout once the worker serves: its pid and admin
 port. The worker then serves like a single Pylon on that socket, one of the
 port's SO_REUSEPORT group, until SIGTERM (drain) or a second signal (stop at
-once). If the
-supervisor dies, the kernel sends the worker SIGTERM (Linux parent-death
-signal), so no worker outlives it.
+once). If the supervisor dies, the kernel sends the worker SIGTERM (Linux
+parent-death signal), so no worker outlives it.
 """
 
 from __future__ import annotations
