@@ -3,6 +3,7 @@ README's main job (`pylon serve --dev` then `pylon call`) works as real processe
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import subprocess
@@ -12,7 +13,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from pylon.cli import SERVE_FLAGS, build_parser, overrides_from
+from pylon.app import StartupError
+from pylon.cli import SERVE_FLAGS, build_parser, overrides_from, run_event_loop
 from pylon.config import Settings, load_settings
 
 PYLON = [sys.executable, "-m", "pylon.cli"]
@@ -107,6 +109,24 @@ def test_unknown_config_key_is_an_error(tmp_path: Path) -> None:
     config.write_text("[upstream]\nurl = 'http://a:1'\nidle_timout_s = 7\n")
     with pytest.raises(ValidationError):
         _settings("--config", str(config))
+
+
+async def _loop_module() -> str:
+    return type(asyncio.get_running_loop()).__module__
+
+
+def test_auto_event_loop_is_uvloop_when_installed() -> None:
+    assert run_event_loop(_loop_module(), choice="auto").startswith("uvloop")
+    assert run_event_loop(_loop_module(), choice="asyncio").startswith("asyncio")
+
+
+def test_without_uvloop_auto_falls_back_and_uvloop_refuses(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # `import uvloop` now fails
+    assert run_event_loop(_loop_module(), choice="auto").startswith("asyncio")
+    with pytest.raises(StartupError, match="uvloop is not installed"):
+        run_event_loop(_loop_module(), choice="uvloop")
 
 
 def _pylon(*argv: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
