@@ -163,3 +163,38 @@ def test_parse_request_head_keeps_regular_headers_in_order() -> None:
     head = parse_request_head([*GOOD_HEAD, (b"a", b"1"), (b"b", b"2"), (b"a", b"3")])
     assert (head.method, head.path, head.authority) == ("GET", "/", "n")
     assert head.headers == ((b"a", b"1"), (b"b", b"2"), (b"a", b"3"))
+
+
+def test_body_data_is_framed_as_aioquic_frames_it(tmp_path: Path) -> None:
+    pair = Pair(tmp_path)
+    fast, reference = pair.request(GOOD_HEAD), pair.request(GOOD_HEAD)
+    queued: dict[int, bytes] = {}
+    for stream_id in (fast, reference):
+        pair.server_h3.send_headers(stream_id, [(b":status", b"200")])
+        queued[stream_id] = bytes(pair.server._streams[stream_id].sender._buffer)
+    chunks = [b"x" * size for size in (1, 63, 64, 16_383, 16_384, 70_000)]
+    for chunk in chunks:
+        pair.server_h3.send_data(fast, chunk, end_stream=False)
+        H3Connection.send_data(pair.server_h3, reference, chunk, end_stream=False)
+
+    def body_frames(stream_id: int) -> bytes:
+        buffer = bytes(pair.server._streams[stream_id].sender._buffer)
+        return buffer[len(queued[stream_id]) :]
+
+    assert body_frames(fast) == body_frames(reference)
+    assert len(body_frames(fast)) > sum(map(len, chunks))
+    received = bytearray()
+    original = pair.client_h3.handle_event
+
+    def collect(event: QuicEvent) -> list[H3Event]:
+        events = original(event)
+        for h3_event in events:
+            if isinstance(h3_event, DataReceived) and h3_event.stream_id == fast:
+                received.extend(h3_event.data)
+        return events
+
+    pair.client_h3.handle_event = collect  # type: ignore[method-assign]
+    pair.server_h3.send_data(fast, b"", end_stream=True)
+    for _ in range(20):
+        pair.pump()
+    assert bytes(received) == b"".join(chunks)

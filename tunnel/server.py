@@ -115,6 +115,8 @@ class TunnelProtocol(QuicConnectionProtocol):
         self._credit = ConsumptionCredit(self._quic, window_bytes=options.request_window_bytes)
         stop_walk_when_packet_full(self._quic)
         self.streams: dict[int, TunnelStream] = {}
+        self._awaiting_drain: set[TunnelStream] = set()
+        """Streams whose writer waits for acknowledgements: the only ones an ACK can wake."""
         self._tasks: dict[int, asyncio.Task[None]] = {}
         self._highest_request_stream_id: int | None = None
         self._goaway_sent = False
@@ -145,8 +147,8 @@ class TunnelProtocol(QuicConnectionProtocol):
             refuse_connection(self._quic, "too many tunnel connections")
             self._options.on_connection_refused(CONNECTION_LIMIT)
         self._process_events()
-        for stream in self.streams.values():
-            stream.wake_if_drained()
+        if self._awaiting_drain:
+            self._awaiting_drain = {s for s in self._awaiting_drain if not s.wake_if_drained()}
         self._transmit_soon()
 
     def quic_event_received(self, event: QuicEvent) -> None:
@@ -253,6 +255,7 @@ class TunnelProtocol(QuicConnectionProtocol):
         stream_id = stream.stream_id
         self.streams.pop(stream_id, None)
         self._tasks.pop(stream_id, None)
+        self._awaiting_drain.discard(stream)
         self._credit.forget(stream_id)
         if not stream.received_all and not self._quic._close_pending:
             # RFC 9114 §4.1.1: the response is complete, the rest of the body is unwanted.
@@ -338,6 +341,9 @@ class TunnelProtocol(QuicConnectionProtocol):
         self._credit.consumed(stream_id, byte_count)
         self._transmit_soon()
 
+    def stream_awaits_drain(self, stream: TunnelStream) -> None:
+        self._awaiting_drain.add(stream)
+
     # --- introspection for gauges and leak tests ----------------------------------------
 
     def queued_bytes(self) -> int:
@@ -352,4 +358,5 @@ class TunnelProtocol(QuicConnectionProtocol):
         quic_count = sum(
             1 for stream_id in self._quic._streams if stream_is_request_response(stream_id)
         )
-        return len(self.streams) + len(self._tasks) + h3_count + quic_count
+        held = len(self.streams) + len(self._tasks) + len(self._awaiting_drain)
+        return held + h3_count + quic_count

@@ -29,6 +29,7 @@ class StreamOwner(Protocol):
     def stream_reset(self, stream_id: int, error_code: int) -> None: ...
     def stream_queued_bytes(self, stream_id: int) -> int: ...
     def stream_consumed(self, stream_id: int, byte_count: int) -> None: ...
+    def stream_awaits_drain(self, stream: TunnelStream) -> None: ...
 
 
 class StreamLimit(StrEnum):
@@ -81,9 +82,12 @@ class TunnelStream:
         self._data_ready.set()
         self._drained.set()
 
-    def wake_if_drained(self) -> None:
+    def wake_if_drained(self) -> bool:
+        """Wake the waiting writer once the queue is down to half the cap; True if it did."""
         if self._owner.stream_queued_bytes(self.stream_id) <= self._max_queued_bytes // 2:
             self._drained.set()
+            return True
+        return False
 
     @property
     def received_all(self) -> bool:
@@ -127,6 +131,7 @@ class TunnelStream:
             self.body_bytes_sent += len(data)
         while self._owner.stream_queued_bytes(self.stream_id) > self._max_queued_bytes:
             self._drained.clear()
+            self._owner.stream_awaits_drain(self)
             await self._drained.wait()
             self._check_open()
 
