@@ -217,8 +217,11 @@ class TunnelService:
             self._metrics.inputs_stripped("body", stripped)
             exchange.request_bytes = len(body)
             return body
-        if stream.received_all and stream.body_bytes_received == 0:
-            return b""
+        if stream.received_all:
+            # All in already (most requests): one write with the head, not a chunk stream.
+            body = await _read_bounded(stream, limit, self._options.body_idle_timeout_s)
+            exchange.request_bytes = len(body)
+            return body
         return self._stream_bounded(stream, exchange, limit)
 
     async def _stream_bounded(
