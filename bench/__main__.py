@@ -17,9 +17,11 @@ from pathlib import Path
 from bench.compare import DEFAULTS, CompareOptions, run_compare
 from bench.drivers import Target
 from bench.load import LoadSpec, run_load
-from bench.output import results_dir, write_json
+from bench.output import machine, results_dir, write_json
 from bench.priority import BACKENDS, DEFAULT_CLASSES, I32_MAX, PriorityOptions, run_priority
 from bench.progress import note
+from bench.sendpath import report as sendpath_report
+from bench.sendpath import run_sendpath
 from bench.soak import STREAM, SoakOptions, run_soak
 from bench.soak_report import DEFAULT_MAX_GROWTH_MIB
 from bench.stats import error_counts, summarize
@@ -94,6 +96,14 @@ def build_parser() -> argparse.ArgumentParser:
     prio.add_argument("--drain-s", type=float, default=5.0)
     _common(prio)
     _soak_parser(commands.add_parser("soak", help="Pylon's RSS across a long stream run"))
+    sendpath = commands.add_parser(
+        "sendpath", help="the QUIC send path alone, in memory: CPU per event, hooked vs plain"
+    )
+    sendpath.add_argument("--streams", type=int, default=256)
+    sendpath.add_argument("--tokens-per-s", type=float, default=50.0, help="per stream")
+    sendpath.add_argument("--duration-s", type=float, default=2.0, help="simulated, per run")
+    sendpath.add_argument("--rounds", type=int, default=5, help="runs of each, alternated")
+    sendpath.add_argument("--out", type=Path, default=None, help="results root (bench/results)")
     load = commands.add_parser("load", help="one load against any URL (h3 for https://)")
     load.add_argument("url", help="https://HOST:PORT (HTTP/3) or http://HOST:PORT (HTTP/1.1)")
     load.add_argument("--workload", choices=sorted(DEFAULTS), default="small")
@@ -146,6 +156,32 @@ def run_soak_command(ns: argparse.Namespace) -> int:
         out_root=ns.out,
     )
     run_soak(options)
+    return 0
+
+
+def run_sendpath_command(ns: argparse.Namespace) -> int:
+    runs = run_sendpath(
+        streams=ns.streams,
+        tokens_per_s=ns.tokens_per_s,
+        duration_s=ns.duration_s,
+        rounds=ns.rounds,
+    )
+    print(sendpath_report(runs))
+    out = results_dir(ns.out, name="sendpath")
+    write_json(
+        out / "sendpath.json",
+        {
+            "machine": machine(),
+            "streams": ns.streams,
+            "tokens_per_s": ns.tokens_per_s,
+            "duration_s": ns.duration_s,
+            "runs": [
+                {"hooked": r.hooked, "events": r.events, "server_cpu_s": r.server_cpu_s}
+                for r in runs
+            ],
+        },
+    )
+    print(f"results: {out}")
     return 0
 
 
@@ -246,6 +282,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "priority": run_priority_command,
     "soak": run_soak_command,
     "load": run_load_command,
+    "sendpath": run_sendpath_command,
 }
 
 

@@ -1,30 +1,26 @@
-"""The send-path hook shortens aioquic's walk over the streams without changing what is sent.
+"""The send-path hook changes which streams aioquic visits, not what it sends.
 
 Client and server QuicConnections exchange datagrams in memory on a clock the
-test advances, so the same scenario builds the same packets twice: once with
-the hook on the server, once without.
+test advances (`bench.sendpath.MemoryPair`), so the same scenario builds the
+same packets twice: once with the hook on the server, once without.
 """
 
 from __future__ import annotations
 
 import random
-import ssl
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
-from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
 from aioquic.quic.events import StreamDataReceived, StreamReset
 from aioquic.quic.logger import QuicLogger
 from aioquic.quic.stream import QuicStream
 
-from pylon.devcert import ensure_dev_certificate
-from tunnel.send_path import stop_walk_when_packet_full
+from bench.sendpath import MemoryPair, connect, open_streams, run_sendpath
+from tunnel.flow import ConsumptionCredit
+from tunnel.send_path import visit_only_busy_streams
 
-CLIENT_ADDR = ("1.2.3.4", 1234)
-SERVER_ADDR = ("2.3.4.5", 4433)
 STREAMS = 48
 ROUNDS = 6
 
@@ -32,44 +28,29 @@ StreamFrame = tuple[int, int, int, bool]
 """stream id, offset, length, fin"""
 
 
-@dataclass
-class Exchange:
-    client: QuicConnection
-    server: QuicConnection
-    server_log: QuicLogger
-    frame_asks: int = 0
-    """Calls into aioquic's own STREAM-frame writer on the server."""
-    now: float = 0.0
-    received: dict[int, int] = field(default_factory=dict)
-    finished: set[int] = field(default_factory=set)
-    reset: set[int] = field(default_factory=set)
+class Server:
+    """How the server was set up, and what it did."""
 
-    def run(self, steps: int) -> None:
-        for _ in range(steps):
-            self.now += 0.001
-            for connection in (self.client, self.server):
-                timer = connection.get_timer()
-                if timer is not None and timer <= self.now:
-                    connection.handle_timer(now=self.now)
-            self._move(self.client, self.server, CLIENT_ADDR)
-            self._move(self.server, self.client, SERVER_ADDR)
-            while self.server.next_event() is not None:
-                pass
-            while (event := self.client.next_event()) is not None:
-                if isinstance(event, StreamDataReceived):
-                    so_far = self.received.get(event.stream_id, 0)
-                    self.received[event.stream_id] = so_far + len(event.data)
-                    if event.end_stream:
-                        self.finished.add(event.stream_id)
-                elif isinstance(event, StreamReset):
-                    self.reset.add(event.stream_id)
+    def __init__(self, *, hooked: bool) -> None:
+        self.hooked = hooked
+        self.log = QuicLogger()
+        self.frame_asks = 0
+        """Calls into aioquic's own STREAM-frame writer."""
 
-    def _move(self, sender: QuicConnection, receiver: QuicConnection, addr: Any) -> None:
-        for data, _ in sender.datagrams_to_send(now=self.now):
-            receiver.receive_datagram(data, addr, now=self.now)
+    def install(self, server: QuicConnection) -> None:
+        ConsumptionCredit(server, window_bytes=1 << 20)  # as on every tunnel connection
+        write_stream_frame = server._write_stream_frame
+
+        def counted(**kwargs: Any) -> int:
+            self.frame_asks += 1
+            return write_stream_frame(**kwargs)
+
+        server._write_stream_frame = counted  # type: ignore[method-assign,assignment]
+        if self.hooked:
+            visit_only_busy_streams(server)
 
     def stream_frames_by_packet(self) -> list[list[StreamFrame]]:
-        (trace,) = self.server_log.to_dict()["traces"]
+        (trace,) = self.log.to_dict()["traces"]
         packets = []
         for event in trace["events"]:
             if event["name"] != "transport:packet_sent":
@@ -84,60 +65,39 @@ class Exchange:
         return packets
 
 
-def connect(tmp_path: Path, *, hooked: bool) -> Exchange:
-    cert, key = ensure_dev_certificate(tmp_path)
-    server_log = QuicLogger()
-    server_configuration = QuicConfiguration(
-        is_client=False, alpn_protocols=["test"], quic_logger=server_log
-    )
-    server_configuration.load_cert_chain(cert, key)
-    client_configuration = QuicConfiguration(is_client=True, alpn_protocols=["test"])
-    client_configuration.verify_mode = ssl.CERT_NONE
-    client = QuicConnection(configuration=client_configuration)
-    server = QuicConnection(
-        configuration=server_configuration,
-        original_destination_connection_id=client.original_destination_connection_id,
-    )
-    exchange = Exchange(client=client, server=server, server_log=server_log)
-    write_stream_frame = server._write_stream_frame
-
-    def counted(**kwargs: Any) -> int:
-        exchange.frame_asks += 1
-        return write_stream_frame(**kwargs)
-
-    server._write_stream_frame = counted  # type: ignore[method-assign,assignment]
-    if hooked:
-        stop_walk_when_packet_full(server)
-    client.connect(SERVER_ADDR, now=0.0)
-    exchange.run(20)
-    return exchange
+def start(tmp_path: Path, *, hooked: bool) -> tuple[MemoryPair, Server]:
+    setup = Server(hooked=hooked)
+    pair = connect(tmp_path, server_hook=setup.install, server_log=setup.log)
+    pair.client_events = []
+    return pair, setup
 
 
-def open_streams(exchange: Exchange) -> list[int]:
-    stream_ids = []
-    for _ in range(STREAMS):
-        stream_id = exchange.client.get_next_available_stream_id()
-        exchange.client.send_stream_data(stream_id, b"request", end_stream=True)
-        stream_ids.append(stream_id)
-    exchange.run(20)
-    return stream_ids
+def received_bytes(pair: MemoryPair) -> dict[int, int]:
+    received: dict[int, int] = {}
+    for event in pair.client_events or ():
+        if isinstance(event, StreamDataReceived):
+            received[event.stream_id] = received.get(event.stream_id, 0) + len(event.data)
+    return received
 
 
-def respond(tmp_path: Path, *, hooked: bool) -> tuple[Exchange, list[int], dict[int, int]]:
-    """Every stream answers in rounds of 1 to 3,000 bytes, more than a packet or a window holds."""
-    exchange = connect(tmp_path, hooked=hooked)
-    stream_ids = open_streams(exchange)
+def respond(tmp_path: Path, *, hooked: bool) -> tuple[MemoryPair, Server, dict[int, int]]:
+    """Every stream answers in rounds of 1 to 3,000 bytes, more than a packet or a window holds;
+    some streams skip rounds, so idle streams sit between busy ones."""
+    pair, setup = start(tmp_path, hooked=hooked)
+    stream_ids = open_streams(pair, STREAMS)
     sizes = random.Random(7)
     sent = dict.fromkeys(stream_ids, 0)
     for round_index in range(ROUNDS):
+        last = round_index == ROUNDS - 1
         for stream_id in stream_ids:
+            if not last and sizes.random() < 0.3:
+                continue
             size = sizes.choice((sizes.randrange(1, 200), sizes.randrange(200, 3000)))
-            last = round_index == ROUNDS - 1
-            exchange.server.send_stream_data(stream_id, bytes(size), end_stream=last)
+            pair.server.send_stream_data(stream_id, bytes(size), end_stream=last)
             sent[stream_id] += size
-        exchange.run(5)
-    exchange.run(400)
-    return exchange, stream_ids, sent
+        pair.tick(5)
+    pair.tick(400)
+    return pair, setup, sent
 
 
 def test_the_hook_sends_the_same_stream_frames_in_the_same_packets(
@@ -146,41 +106,56 @@ def test_the_hook_sends_the_same_stream_frames_in_the_same_packets(
     # aioquic requeues the streams a packet served from a set, in hash order;
     # hashing by stream id instead of address makes that order repeatable.
     monkeypatch.setattr(QuicStream, "__hash__", lambda stream: stream.stream_id)
-    plain, _, plain_sent = respond(tmp_path, hooked=False)
-    hooked, stream_ids, hooked_sent = respond(tmp_path, hooked=True)
+    _, plain, plain_sent = respond(tmp_path, hooked=False)
+    pair, hooked, hooked_sent = respond(tmp_path, hooked=True)
 
     assert plain_sent == hooked_sent
-    assert hooked.received == hooked_sent
-    assert hooked.finished == set(stream_ids)
+    assert received_bytes(pair) == hooked_sent
+    ended = {
+        e.stream_id
+        for e in pair.client_events or ()
+        if isinstance(e, StreamDataReceived) and e.end_stream
+    }
+    assert ended == set(hooked_sent)
     frames = hooked.stream_frames_by_packet()
-    assert sum(len(packet) for packet in frames) > 2 * STREAMS * ROUNDS / 2
+    assert sum(len(packet) for packet in frames) > STREAMS * ROUNDS / 2
     assert frames == plain.stream_frames_by_packet()
 
 
 def test_the_hook_stops_asking_streams_once_the_packet_is_full(tmp_path: Path) -> None:
-    plain, _, _ = respond(tmp_path, hooked=False)
-    hooked, _, _ = respond(tmp_path, hooked=True)
+    _, plain, _ = respond(tmp_path, hooked=False)
+    _, hooked, _ = respond(tmp_path, hooked=True)
 
     assert hooked.frame_asks < plain.frame_asks / 2
 
 
 def test_finished_streams_are_still_dropped(tmp_path: Path) -> None:
-    hooked, _, _ = respond(tmp_path, hooked=True)
+    pair, _, _ = respond(tmp_path, hooked=True)
 
-    assert hooked.server._streams == {}
+    assert pair.server._streams == {}
+    assert pair.server._streams_queue == []
 
 
 @pytest.mark.parametrize("hooked", [False, True])
 def test_a_reset_behind_a_full_packet_still_reaches_the_peer(tmp_path: Path, hooked: bool) -> None:
-    exchange = connect(tmp_path, hooked=hooked)
-    stream_ids = open_streams(exchange)
+    pair, _ = start(tmp_path, hooked=hooked)
+    stream_ids = open_streams(pair, STREAMS)
     for stream_id in stream_ids:
-        exchange.server.send_stream_data(stream_id, bytes(2000))
+        pair.server.send_stream_data(stream_id, bytes(2000))
     doomed = stream_ids[1::3]
     for stream_id in doomed:
-        exchange.server.reset_stream(stream_id, error_code=0x10C)
-    exchange.run(400)
+        pair.server.reset_stream(stream_id, error_code=0x10C)
+    pair.tick(400)
 
-    assert exchange.reset == set(doomed)
+    reset = {e.stream_id for e in pair.client_events or () if isinstance(e, StreamReset)}
+    assert reset == set(doomed)
+    received = received_bytes(pair)
     for stream_id in set(stream_ids) - set(doomed):
-        assert exchange.received[stream_id] == 2000
+        assert received[stream_id] == 2000
+
+
+def test_sendpath_bench_smoke() -> None:
+    runs = run_sendpath(streams=32, tokens_per_s=50.0, duration_s=0.1, rounds=1)
+
+    assert sorted(run.hooked for run in runs) == [False, True]
+    assert all(run.events > 0 and run.server_cpu_s > 0 for run in runs)

@@ -48,7 +48,7 @@ from tunnel.limits import (
     refuse_connection,
     stream_over_limit,
 )
-from tunnel.send_path import stop_walk_when_packet_full
+from tunnel.send_path import visit_only_busy_streams
 from tunnel.stream import Handler, TunnelStream
 from tunnel.tls import ClientAuth, peer_identity, require_client_certificate
 from tunnel.types import HeaderList, MalformedRequest
@@ -113,7 +113,7 @@ class TunnelProtocol(QuicConnectionProtocol):
         self._registry = registry
         self._h3: TunnelH3Connection | None = None
         self._credit = ConsumptionCredit(self._quic, window_bytes=options.request_window_bytes)
-        stop_walk_when_packet_full(self._quic)
+        visit_only_busy_streams(self._quic)
         self.streams: dict[int, TunnelStream] = {}
         self._awaiting_drain: set[TunnelStream] = set()
         """Streams whose writer waits for acknowledgements: the only ones an ACK can wake."""
