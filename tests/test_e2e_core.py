@@ -260,37 +260,6 @@ def test_a_slow_gateway_does_not_count_as_an_idle_engine(tmp_path: Path) -> None
 
 
 @pytest.mark.parametrize("transport", ["h11", "httpcore"])
-def test_a_body_all_in_reaches_the_engine_in_one_piece_with_its_length(
-    tmp_path: Path, transport: str
-) -> None:
-    """A body the gateway has finished sending goes out with Content-Length, not as
-    a chunked stream: one write with the head, and a framing every engine takes."""
-
-    async def ok(exchange: Exchange) -> None:
-        await exchange.reply(b"{}")
-
-    async def scenario() -> None:
-        async with (
-            Engine(ok) as engine,
-            stack(
-                tmp_path, engine=None, upstream_url=engine.url, upstream={"transport": transport}
-            ) as s,
-            s.client() as client,
-        ):
-            response = await client.request(
-                "POST", CHAT, headers=tunnel_headers("t"), body=CHAT_BODY
-            )
-            await response.read()
-            assert response.status == 200
-            (forwarded,) = [e for e in engine.requests if e.request.method == b"POST"]
-            assert forwarded.header(b"content-length") == str(len(CHAT_BODY)).encode()
-            assert forwarded.header(b"transfer-encoding") is None
-            assert forwarded.body == CHAT_BODY
-
-    run(scenario())
-
-
-@pytest.mark.parametrize("transport", ["h11", "httpcore"])
 def test_pylon_adds_no_header_and_keeps_no_cookie_between_requests(
     tmp_path: Path, transport: str
 ) -> None:
