@@ -1,0 +1,148 @@
+"""How `TunnelService` frames a request body toward the engine, with the timing pinned.
+
+A body already complete when the handler runs goes out in one write with a
+Content-Length; a body still arriving is streamed (chunked: the gateway sent
+no length). Through QUIC the outcome depended on whether the handler started
+before or after the DATA frame was fed, which differs between event loops. So
+these tests drive a real service (passthrough adapter, h11 transport, a real
+loopback HTTP/1.1 engine) with a `TunnelStream` they feed themselves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry
+
+from backends.registry import build_adapter
+from pylon.auth import Admission
+from pylon.config import Settings, UpstreamSettings
+from pylon.forwarder import Forwarder, build_upstream_transport
+from pylon.metrics import DenyList, Metrics
+from pylon.pipeline import PipelineOptions
+from pylon.service import ServiceOptions, TunnelService
+from tests.harness import CHAT, eventually, run
+from tests.test_upstream_transport import Engine, Exchange, ok
+from tunnel.stream import TunnelStream
+from tunnel.types import HeaderList, RequestHead
+
+BODY = b'{"model": "mock-model", "messages": [{"role": "user", "content": "hi"}]}'
+
+
+@dataclass
+class Owner:
+    """A `StreamOwner` that records what the service answers on the stream."""
+
+    heads: list[HeaderList] = field(default_factory=list)
+    data: bytearray = field(default_factory=bytearray)
+    ended: bool = False
+    resets: list[int] = field(default_factory=list)
+    consumed: int = 0
+
+    def stream_send_headers(self, stream_id: int, headers: HeaderList, *, end: bool) -> None:
+        self.heads.append(headers)
+        self.ended |= end
+
+    def stream_send_data(self, stream_id: int, data: bytes, *, end: bool) -> None:
+        self.data += data
+        self.ended |= end
+
+    def stream_reset(self, stream_id: int, error_code: int) -> None:
+        self.resets.append(error_code)
+
+    def stream_queued_bytes(self, stream_id: int) -> int:
+        return 0
+
+    def stream_consumed(self, stream_id: int, byte_count: int) -> None:
+        self.consumed += byte_count
+
+    def stream_awaits_drain(self, stream: TunnelStream) -> None:
+        raise AssertionError("nothing is ever queued, so no writer waits")
+
+
+@contextlib.asynccontextmanager
+async def service_for(url: str) -> AsyncIterator[TunnelService]:
+    """A `TunnelService` assembled as `pylon.app` assembles it, toward `url`."""
+    settings = Settings(upstream=UpstreamSettings(url=url))
+    adapter = build_adapter(settings.backend, settings.priority)
+    transport = build_upstream_transport(settings.upstream)
+    metrics = Metrics(
+        CollectorRegistry(), backend=adapter.name, version="test", deny_list=DenyList.of(adapter)
+    )
+    options = ServiceOptions(
+        pipeline=PipelineOptions(
+            policy=settings.priority,
+            derive_priority=settings.derive_priority,
+            extra_health_paths=frozenset(settings.health_paths),
+            allowed_headers=settings.security.header_allowlist(),
+        ),
+        max_body_bytes=settings.limits.max_body_bytes,
+        total_timeout_s=settings.upstream.total_timeout_s,
+        admission=Admission(max_header_bytes=settings.limits.max_header_bytes),
+        body_idle_timeout_s=settings.limits.request_body_idle_timeout_s,
+    )
+    try:
+        yield TunnelService(
+            adapter=adapter,
+            forwarder=Forwarder(transport, settings.upstream),
+            options=options,
+            metrics=metrics,
+        )
+    finally:
+        await transport.aclose()  # before the engine waits for its connections to close
+
+
+def chat_stream(owner: Owner) -> TunnelStream:
+    headers = ((b"content-type", b"application/json"), (b"x-request-id", b"frame-1"))
+    head = RequestHead(method="POST", scheme="https", authority="pylon", path=CHAT, headers=headers)
+    return TunnelStream(stream_id=0, head=head, owner=owner, max_queued_bytes=1 << 20)
+
+
+def assert_answered(owner: Owner, engine: Engine) -> Exchange:
+    """The engine got the exact body once and its answer reached the stream complete."""
+    [exchange] = engine.requests
+    assert exchange.body == BODY
+    [head] = owner.heads
+    assert (b":status", b"200") in head
+    assert (b"content-length", str(len(b"ok:" + BODY)).encode()) in head
+    assert bytes(owner.data) == b"ok:" + BODY
+    assert owner.ended and not owner.resets
+    return exchange
+
+
+def test_body_received_before_the_handler_goes_with_content_length() -> None:
+    async def scenario() -> None:
+        owner = Owner()
+        async with Engine(ok) as engine, service_for(engine.url) as service:
+            stream = chat_stream(owner)
+            stream.feed(BODY[:10], end=False)
+            stream.feed(BODY[10:], end=True)
+            assert stream.received_all
+            await service(stream)
+            exchange = assert_answered(owner, engine)
+        assert exchange.header(b"content-length") == str(len(BODY)).encode()
+        assert exchange.header(b"transfer-encoding") is None
+
+    run(scenario())
+
+
+def test_body_still_arriving_is_streamed_chunked() -> None:
+    async def scenario() -> None:
+        owner = Owner()
+        async with Engine(ok) as engine, service_for(engine.url) as service:
+            stream = chat_stream(owner)
+            stream.feed(BODY[:10], end=False)
+            handler = asyncio.ensure_future(service(stream))
+            # The handler is past the framing decision once it has read the first part.
+            assert await eventually(lambda: owner.consumed == 10, within_s=5)
+            assert not handler.done() and not stream.received_all
+            stream.feed(BODY[10:], end=True)
+            await handler
+            exchange = assert_answered(owner, engine)
+        assert exchange.header(b"transfer-encoding") == b"chunked"
+        assert exchange.header(b"content-length") is None
+
+    run(scenario())
