@@ -7,9 +7,7 @@ with h11, read until the response head, and hand httpx a body stream that
 yields each h11 `Data` as the socket read it, with no re-buffering. A
 connection returns to the pool only after h11 saw both messages complete;
 anything else (early close, an error, cancellation at any await) closes it, so
-the engine sees the disconnect and stops generating. Besides httpx's pull
-iteration, the body offers `relay`, which pushes it into a sink from the
-socket callback (see `pylon.upstream_connection.BodyPump`).
+the engine sees the disconnect and stops generating.
 
 Failures surface as httpx's own exceptions, as httpcore would raise them
 (`pylon.errors` maps those), and the `trace` request extension gets
@@ -25,13 +23,12 @@ import asyncio
 import math
 import ssl
 import sys
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Mapping
 
 import h11
 import httpx
 
 from pylon.upstream_connection import (
-    BodySink,
     OpenConnection,
     Trace,
     UpstreamConnection,
@@ -84,7 +81,7 @@ class H11Transport(httpx.AsyncBaseTransport):
         return httpx.Response(
             head.status_code,
             headers=head.headers.raw_items(),
-            stream=ResponseBody(connection, self._pool, read_timeout_s=timeouts.get("read")),
+            stream=_ResponseBody(connection, self._pool, read_timeout_s=timeouts.get("read")),
             extensions={"http_version": b"HTTP/1.1", "reason_phrase": head.reason},
         )
 
@@ -137,7 +134,7 @@ class H11Transport(httpx.AsyncBaseTransport):
         return connection
 
 
-class ResponseBody(httpx.AsyncByteStream):
+class _ResponseBody(httpx.AsyncByteStream):
     """The response body as the socket delivers it; the connection's fate at the end."""
 
     def __init__(
@@ -169,28 +166,6 @@ class ResponseBody(httpx.AsyncByteStream):
         finally:
             self._finish(reusable=complete)
 
-    async def relay(
-        self,
-        sink: BodySink,
-        *,
-        idle_timeout_s: float | None,
-        on_first_chunk: Callable[[], None],
-    ) -> None:
-        """The whole body into `sink`, pushed as the socket delivers it (instead of iterating)."""
-        connection = self._connection
-        if connection is None:
-            return
-        complete = False
-        try:
-            await connection.relay_body(
-                sink,
-                idle_timeout_s=_tighter(idle_timeout_s, self._read_timeout_s),
-                on_first_chunk=on_first_chunk,
-            )
-            complete = True
-        finally:
-            self._finish(reusable=complete)
-
     async def aclose(self) -> None:
         """Before the end of the body this closes the connection: the engine stops generating."""
         self._finish(reusable=False)
@@ -203,13 +178,6 @@ class ResponseBody(httpx.AsyncByteStream):
             self._pool.release(connection, now=asyncio.get_running_loop().time())
         else:
             self._pool.discard(connection)
-
-
-def _tighter(first: float | None, second: float | None) -> float | None:
-    """The shorter of two optional timeouts (None is no limit)."""
-    if first is None or second is None:
-        return second if first is None else first
-    return min(first, second)
 
 
 def _unbounded(limit: int | None) -> int:

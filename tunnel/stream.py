@@ -125,22 +125,10 @@ class TunnelStream:
 
     async def send_data(self, data: bytes) -> None:
         """Queue body bytes, then wait while more than the cap is unacknowledged."""
-        if not self.write(data):
-            await self.wait_drained()
-
-    def write(self, data: bytes) -> bool:
-        """Queue body bytes without waiting; False once more than the cap is unacknowledged.
-
-        For a writer driven by callbacks: after False, await `wait_drained` before more.
-        """
         self._check_open()
         if data:
             self._owner.stream_send_data(self.stream_id, data, end=False)
             self.body_bytes_sent += len(data)
-        return self._owner.stream_queued_bytes(self.stream_id) <= self._max_queued_bytes
-
-    async def wait_drained(self) -> None:
-        """Wait until no more than the cap is unacknowledged (acknowledgements drain it)."""
         while self._owner.stream_queued_bytes(self.stream_id) > self._max_queued_bytes:
             self._drained.clear()
             self._owner.stream_awaits_drain(self)
