@@ -177,7 +177,7 @@ async def start_pylon(
             )
         except TracingUnavailable as exc:
             raise StartupError(str(exc)) from exc
-        service = _build_service(
+        service = build_service(
             settings,
             adapter=adapter,
             forwarder=forwarder,
@@ -213,7 +213,7 @@ async def start_pylon(
     raise AssertionError("unreachable")  # mypy: AsyncExitStack may swallow exceptions
 
 
-def _build_service(
+def build_service(
     settings: Settings,
     *,
     adapter: BackendAdapter,
@@ -222,6 +222,7 @@ def _build_service(
     tracing: Tracing | None,
     auth: TunnelAuth,
 ) -> TunnelService:
+    """The request handler from its settings slices (tests assemble it the same way)."""
     return TunnelService(
         adapter=adapter,
         forwarder=forwarder,

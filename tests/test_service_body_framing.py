@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry
 
 from backends.registry import build_adapter
-from pylon.auth import Admission
+from pylon.app import build_service
+from pylon.auth import TunnelAuth
 from pylon.config import Settings, UpstreamSettings
 from pylon.forwarder import Forwarder, build_upstream_transport
 from pylon.metrics import DenyList, Metrics
-from pylon.pipeline import PipelineOptions
-from pylon.service import ServiceOptions, TunnelService
+from pylon.service import TunnelService
 from tests.harness import CHAT, eventually, run
 from tests.test_upstream_transport import Engine, Exchange, ok
 from tunnel.stream import TunnelStream
@@ -65,32 +65,23 @@ class Owner:
 
 @contextlib.asynccontextmanager
 async def service_for(url: str) -> AsyncIterator[TunnelService]:
-    """A `TunnelService` assembled as `pylon.app` assembles it, toward `url`."""
+    """A `TunnelService` built by `pylon.app.build_service` (no auth), toward `url`."""
     settings = Settings(upstream=UpstreamSettings(url=url))
     adapter = build_adapter(settings.backend, settings.priority)
     transport = build_upstream_transport(settings.upstream)
     metrics = Metrics(
         CollectorRegistry(), backend=adapter.name, version="test", deny_list=DenyList.of(adapter)
     )
-    options = ServiceOptions(
-        pipeline=PipelineOptions(
-            policy=settings.priority,
-            derive_priority=settings.derive_priority,
-            extra_health_paths=frozenset(settings.health_paths),
-            allowed_headers=settings.security.header_allowlist(),
-        ),
-        max_body_bytes=settings.limits.max_body_bytes,
-        total_timeout_s=settings.upstream.total_timeout_s,
-        admission=Admission(max_header_bytes=settings.limits.max_header_bytes),
-        body_idle_timeout_s=settings.limits.request_body_idle_timeout_s,
+    service = build_service(
+        settings,
+        adapter=adapter,
+        forwarder=Forwarder(transport, settings.upstream),
+        metrics=metrics,
+        tracing=None,
+        auth=TunnelAuth(client=None, tokens=None),
     )
     try:
-        yield TunnelService(
-            adapter=adapter,
-            forwarder=Forwarder(transport, settings.upstream),
-            options=options,
-            metrics=metrics,
-        )
+        yield service
     finally:
         await transport.aclose()  # before the engine waits for its connections to close
 
