@@ -1,4 +1,5 @@
-"""One HTTP/1.1 connection to the engine: asyncio streams and h11's state machine.
+"""One HTTP/1.1 connection to the engine: asyncio streams, h11 for the request, llhttp for the
+response.
 
 Strategy: `open_tcp` builds the streams itself (as `asyncio.open_connection`
 does) so the reader is an `UpstreamReader`, which counts what the socket fed
@@ -26,6 +27,7 @@ import h11
 import httpx
 
 from pylon.upstream_pool import Origin
+from pylon.upstream_response import NEED_DATA, ResponseEvent, ResponseHead, ResponseParser
 
 READ_BYTES = 64 * 1024
 """Per socket read: as httpcore; an SSE event is far smaller, a buffered body a few reads."""
@@ -73,13 +75,15 @@ async def open_tcp(host: str, port: int, tls: ssl.SSLContext | None) -> Streams:
 
 
 class UpstreamConnection:
-    """One HTTP/1.1 connection: asyncio streams and the h11 state machine for them."""
+    """One HTTP/1.1 connection: asyncio streams, and per exchange an h11 state machine that
+    writes the request and a `ResponseParser` that reads the response."""
 
     def __init__(self, origin: Origin, reader: UpstreamReader, writer: asyncio.StreamWriter):
         self.origin = origin
         self._reader = reader
         self._writer = writer
         self._h11 = h11.Connection(h11.CLIENT)
+        self._response = ResponseParser()
         self._read_bytes = 0
 
     def alive(self) -> bool:
@@ -99,16 +103,13 @@ class UpstreamConnection:
         self._writer.close()
 
     def start_next_cycle(self) -> bool:
-        """Ready for another exchange, if h11 saw both messages complete and nothing after."""
-        state = self._h11
-        if state.our_state is not h11.DONE or state.their_state is not h11.DONE:
-            return False
-        state.start_next_cycle()
-        return not state.trailing_data[0]
+        """Ready for another exchange: the request all sent, the response complete, nothing
+        after it, and neither side asked to close."""
+        return self._h11.our_state is h11.DONE and self._response.reusable
 
     async def send_request(
         self, request: httpx.Request, *, write_timeout_s: float | None, trace: Trace | None
-    ) -> h11.Response | None:
+    ) -> ResponseHead | None:
         """Write the request; exceptions from a streamed body's own iterator pass through.
 
         Returns the response head when the engine answered and closed before it
@@ -116,6 +117,8 @@ class UpstreamConnection:
         is not the outcome, as with httpcore.
         """
         headers, body = _framed(request)
+        self._h11 = h11.Connection(h11.CLIENT)
+        self._response = ResponseParser(head_request=request.method == "HEAD")
         data = self._encode(
             h11.Request(method=request.method, target=request.url.raw_path, headers=headers)
         )
@@ -146,7 +149,7 @@ class UpstreamConnection:
         self._writer.write(self._send_body(b""))
         await self._drain(write_timeout_s)
 
-    async def _early_response(self) -> h11.Response | None:
+    async def _early_response(self) -> ResponseHead | None:
         """After a failed write: the response head, if the engine sent one before it closed.
 
         The connection is lost already; the abort makes sure of it, so the read
@@ -158,17 +161,15 @@ class UpstreamConnection:
         except httpx.TransportError:
             return None
 
-    async def receive_head(self, *, read_timeout_s: float | None) -> h11.Response:
-        while True:
-            event = await self.next_event(read_timeout_s)
-            if isinstance(event, h11.Response):
-                return event
-            if not isinstance(event, h11.InformationalResponse):
-                raise httpx.RemoteProtocolError("engine closed the connection without a response")
+    async def receive_head(self, *, read_timeout_s: float | None) -> ResponseHead:
+        event = await self.next_event(read_timeout_s)  # 1xx heads are skipped by the parser
+        assert isinstance(event, ResponseHead)
+        return event
 
-    async def next_event(self, read_timeout_s: float | None) -> Any:
+    async def next_event(self, read_timeout_s: float | None) -> ResponseEvent:
+        """The response's next event: its head, a body chunk (bytes), or END_OF_BODY."""
         try:
-            while (event := self._h11.next_event()) is h11.NEED_DATA:
+            while (event := self._response.next_event()) is NEED_DATA:
                 if read_timeout_s is None:
                     data = await self._reader.read(READ_BYTES)
                 else:
@@ -177,13 +178,14 @@ class UpstreamConnection:
                 if not data and (error := self._reader.exception()) is not None:
                     raise error
                 self._read_bytes += len(data)
-                self._h11.receive_data(data)
+                if data:
+                    self._response.receive_data(data)
+                else:
+                    self._response.receive_eof()
         except TimeoutError as exc:
             raise httpx.ReadTimeout("engine sent nothing within the read timeout") from exc
         except OSError as exc:
             raise httpx.ReadError(describe_os_error(exc)) from exc
-        except h11.RemoteProtocolError as exc:
-            raise httpx.RemoteProtocolError(str(exc)) from exc
         return event
 
     def _send_body(self, chunk: bytes, *, end: bool = True) -> bytes:

@@ -1,11 +1,11 @@
-"""httpx's transport for the engine: HTTP/1.1 with h11 over asyncio streams.
+"""httpx's transport for the engine: HTTP/1.1 over asyncio streams (h11 writes, llhttp reads).
 
 Strategy: Pylon keeps `httpx.AsyncClient` as its client API and plugs this in
 through httpx's documented `AsyncBaseTransport`. One exchange is: take a
 connection from the `KeepAlivePool` (or a slot to open one), write the request
 with h11, read until the response head, and hand httpx a body stream that
-yields each h11 `Data` as the socket read it, with no re-buffering. A
-connection returns to the pool only after h11 saw both messages complete;
+yields each body chunk as the socket read it, with no re-buffering. A
+connection returns to the pool only after both messages were complete;
 anything else (early close, an error, cancellation at any await) closes it, so
 the engine sees the disconnect and stops generating.
 
@@ -25,7 +25,6 @@ import ssl
 import sys
 from collections.abc import AsyncIterator, Mapping
 
-import h11
 import httpx
 
 from pylon.upstream_connection import (
@@ -36,6 +35,7 @@ from pylon.upstream_connection import (
     open_tcp,
 )
 from pylon.upstream_pool import KeepAlivePool, Origin, PoolClosed, PoolStats
+from pylon.upstream_response import END_OF_BODY
 
 DEFAULT_PORTS = {"http": 80, "https": 443}
 
@@ -80,7 +80,7 @@ class H11Transport(httpx.AsyncBaseTransport):
             raise
         return httpx.Response(
             head.status_code,
-            headers=head.headers.raw_items(),
+            headers=head.headers,
             stream=_ResponseBody(connection, self._pool, read_timeout_s=timeouts.get("read")),
             extensions={"http_version": b"HTTP/1.1", "reason_phrase": head.reason},
         )
@@ -156,13 +156,13 @@ class _ResponseBody(httpx.AsyncByteStream):
         try:
             while True:
                 event = await connection.next_event(self._read_timeout_s)
-                if type(event) is h11.Data:
-                    yield bytes(event.data)
-                elif type(event) is h11.EndOfMessage:
+                if type(event) is bytes:
+                    yield event
+                elif event is END_OF_BODY:
                     complete = True
                     return
                 else:
-                    raise httpx.RemoteProtocolError(f"engine sent {type(event).__name__} mid-body")
+                    raise httpx.RemoteProtocolError(f"engine sent {event!r} mid-body")
         finally:
             self._finish(reusable=complete)
 
