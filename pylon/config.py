@@ -52,7 +52,7 @@ class UpstreamSettings(_Section):
     max_connections: int = Field(default=1024, ge=1)
     max_keepalive_connections: int = Field(default=256, ge=0)
     transport: Literal["h11", "httpcore"] = "h11"
-    """HTTP/1.1 client under httpx: Pylon's own over asyncio and h11, or httpx's
+    """HTTP/1.1 client under httpx: Pylon's own over asyncio (h11 writes, llhttp reads), or httpx's
     stock httpcore (a fallback; it measured 1.4-2.2x the CPU per request)."""
 
     @field_validator("url")
