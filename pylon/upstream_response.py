@@ -88,6 +88,8 @@ class ResponseParser:
             raise httpx.RemoteProtocolError(f"engine response head over {MAX_HEAD_BYTES} bytes")
 
     def receive_eof(self) -> None:
+        if self._eof:  # a read past the end: never wait on a closed connection
+            raise httpx.RemoteProtocolError("engine connection already closed")
         self._eof = True
         if self._complete:
             return

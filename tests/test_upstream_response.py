@@ -167,3 +167,10 @@ def test_the_head_is_bounded() -> None:
 def test_header_values_lose_surrounding_whitespace() -> None:
     out = events(ResponseParser(), b"HTTP/1.1 200 OK\r\nx-a:  v w \t\r\ncontent-length: 0\r\n\r\n")
     assert out[0] == ResponseHead(200, b"OK", [(b"x-a", b"v w"), (b"content-length", b"0")])
+
+
+def test_reading_past_the_close_is_an_error_not_a_wait() -> None:
+    parser = ResponseParser()
+    assert body_of(events(parser, b"HTTP/1.1 200 OK\r\n\r\nall", eof=True)[1:]) == b"all"
+    with pytest.raises(httpx.RemoteProtocolError):
+        parser.receive_eof()
