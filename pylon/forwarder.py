@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
@@ -45,6 +46,9 @@ from pylon.tunnel_headers import REQUEST_ID, strip_hop_by_hop
 from pylon.upstream_transport import H11Transport
 
 logger = logging.getLogger("pylon.forwarder")
+
+PARSED_URLS_KEPT = 1024
+"""Engine URLs kept parsed: a handful of paths in practice, bounded whatever gateways send."""
 
 KEEPALIVE_EXPIRY_S = 30.0
 """Below common engine servers' idle keep-alive (uvicorn 5 s is the exception:
@@ -204,6 +208,9 @@ class Forwarder:
             raise ValueError("upstream.url is required")
         self._transport = transport
         self._base_url = settings.url
+        # Parsing the URL was over half of building each request (docs/performance.md);
+        # httpx.URL is immutable, so one parse serves every request to that path.
+        self._parsed_url = functools.lru_cache(maxsize=PARSED_URLS_KEPT)(httpx.URL)
         self._settings = settings
         self._timeouts = upstream_timeouts(settings).as_dict()
 
@@ -252,7 +259,7 @@ class Forwarder:
             trace = AttemptTrace()
             request = httpx.Request(
                 method,
-                url,
+                self._parsed_url(url),
                 headers=list(headers),
                 content=content,
                 extensions={"trace": trace, "timeout": self._timeouts},
