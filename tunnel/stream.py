@@ -3,8 +3,9 @@
 Strategy: the protocol feeds received DATA into a bounded body buffer (the
 peer only gets more credit as the handler reads, see `flow.py`) and wakes
 writers when acknowledgements drain the send queue. The handler reads with
-`receive()`, answers with `send_head()` / `send_data()` / `end()`, or gives up
-with `reset()`. A peer reset cancels the handler's task (the protocol does
+`receive()`, answers with `send_head()` / `send_data()` / `end()` (a writer
+driven by callbacks uses `write()`, and `wait_drained()` once it returns
+False), or gives up with `reset()`. A peer reset cancels the handler's task (the protocol does
 that), so an upstream request is closed at once.
 """
 
@@ -125,10 +126,22 @@ class TunnelStream:
 
     async def send_data(self, data: bytes) -> None:
         """Queue body bytes, then wait while more than the cap is unacknowledged."""
+        if not self.write(data):
+            await self.wait_drained()
+
+    def write(self, data: bytes) -> bool:
+        """Queue body bytes without waiting; False once more than the cap is unacknowledged.
+
+        For a writer driven by callbacks: after False, await `wait_drained` before more.
+        """
         self._check_open()
         if data:
             self._owner.stream_send_data(self.stream_id, data, end=False)
             self.body_bytes_sent += len(data)
+        return self._owner.stream_queued_bytes(self.stream_id) <= self._max_queued_bytes
+
+    async def wait_drained(self) -> None:
+        """Wait until no more than the cap is unacknowledged (acknowledgements drain it)."""
         while self._owner.stream_queued_bytes(self.stream_id) > self._max_queued_bytes:
             self._drained.clear()
             self._owner.stream_awaits_drain(self)
