@@ -43,7 +43,8 @@ from pylon.errors import (
     upstream_error_for,
 )
 from pylon.tunnel_headers import REQUEST_ID, strip_hop_by_hop
-from pylon.upstream_transport import H11Transport
+from pylon.upstream_connection import BodySink
+from pylon.upstream_transport import H11Transport, ResponseBody
 
 logger = logging.getLogger("pylon.forwarder")
 
@@ -99,6 +100,31 @@ class UpstreamResponse:
     headers: tuple[tuple[bytes, bytes], ...]
     _response: httpx.Response
     _idle_timeout_s: float
+
+    async def relay_to(self, sink: BodySink, *, on_first_chunk: Callable[[], None]) -> None:
+        """The whole body into `sink`, with the idle budget; `on_first_chunk` once it starts.
+
+        The h11 transport pushes it from the socket callback (no task wake-up and
+        no async-iterator chain per SSE event); any other transport is iterated.
+        """
+        stream = self._response.stream
+        if isinstance(stream, ResponseBody):
+            try:
+                await stream.relay(
+                    sink, idle_timeout_s=self._idle_timeout_s, on_first_chunk=on_first_chunk
+                )
+            except httpx.TimeoutException as exc:
+                raise UpstreamTimeout("engine: idle between response chunks") from exc
+            except httpx.TransportError as exc:
+                raise upstream_error_for(exc) from exc
+            return
+        first = True
+        async for chunk in self.chunks():
+            if first:
+                on_first_chunk()
+                first = False
+            if not sink.write(chunk):
+                await sink.wait_drained()
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """Body bytes exactly as the engine sent them, one chunk per socket read."""

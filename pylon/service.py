@@ -88,6 +88,10 @@ class Exchange:
     span: Any = None
     """The tunnel request's OpenTelemetry span, when tracing is on."""
 
+    def first_byte(self) -> None:
+        """The engine's first body bytes arrived."""
+        self.ttfb_s = asyncio.get_running_loop().time() - self.started
+
 
 @dataclass(frozen=True)
 class ServiceOptions:
@@ -198,10 +202,7 @@ class TunnelService:
         ) as upstream:
             stream.send_head(upstream.status, upstream.headers)
             exchange.status = upstream.status
-            async for chunk in upstream.chunks():
-                if exchange.ttfb_s is None:
-                    exchange.ttfb_s = asyncio.get_running_loop().time() - exchange.started
-                await stream.send_data(chunk)
+            await upstream.relay_to(stream, on_first_chunk=exchange.first_byte)
             stream.end()
 
     async def _request_content(

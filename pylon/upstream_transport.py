@@ -7,7 +7,10 @@ with h11, read until the response head, and hand httpx a body stream that
 yields each body chunk as the socket read it, with no re-buffering. A
 connection returns to the pool only after both messages were complete;
 anything else (early close, an error, cancellation at any await) closes it, so
-the engine sees the disconnect and stops generating.
+the engine sees the disconnect and stops generating. Besides httpx's pull
+iteration, the body offers `relay`, which pushes it into a sink from the
+socket callback, with no task wake-up per chunk
+(`pylon.upstream_connection.BodyPump`).
 
 Failures surface as httpx's own exceptions, as httpcore would raise them
 (`pylon.errors` maps those), and the `trace` request extension gets
@@ -23,11 +26,12 @@ import asyncio
 import math
 import ssl
 import sys
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 
 import httpx
 
 from pylon.upstream_connection import (
+    BodySink,
     OpenConnection,
     Trace,
     UpstreamConnection,
@@ -81,7 +85,7 @@ class H11Transport(httpx.AsyncBaseTransport):
         return httpx.Response(
             head.status_code,
             headers=head.headers,
-            stream=_ResponseBody(connection, self._pool, read_timeout_s=timeouts.get("read")),
+            stream=ResponseBody(connection, self._pool, read_timeout_s=timeouts.get("read")),
             extensions={"http_version": b"HTTP/1.1", "reason_phrase": head.reason},
         )
 
@@ -134,7 +138,7 @@ class H11Transport(httpx.AsyncBaseTransport):
         return connection
 
 
-class _ResponseBody(httpx.AsyncByteStream):
+class ResponseBody(httpx.AsyncByteStream):
     """The response body as the socket delivers it; the connection's fate at the end."""
 
     def __init__(
@@ -166,6 +170,28 @@ class _ResponseBody(httpx.AsyncByteStream):
         finally:
             self._finish(reusable=complete)
 
+    async def relay(
+        self,
+        sink: BodySink,
+        *,
+        idle_timeout_s: float | None,
+        on_first_chunk: Callable[[], None],
+    ) -> None:
+        """The whole body into `sink`, pushed as the socket delivers it (instead of iterating)."""
+        connection = self._connection
+        if connection is None:
+            return
+        complete = False
+        try:
+            await connection.relay_body(
+                sink,
+                idle_timeout_s=_tighter(idle_timeout_s, self._read_timeout_s),
+                on_first_chunk=on_first_chunk,
+            )
+            complete = True
+        finally:
+            self._finish(reusable=complete)
+
     async def aclose(self) -> None:
         """Before the end of the body this closes the connection: the engine stops generating."""
         self._finish(reusable=False)
@@ -178,6 +204,13 @@ class _ResponseBody(httpx.AsyncByteStream):
             self._pool.release(connection, now=asyncio.get_running_loop().time())
         else:
             self._pool.discard(connection)
+
+
+def _tighter(first: float | None, second: float | None) -> float | None:
+    """The shorter of two optional timeouts (None is no limit)."""
+    if first is None or second is None:
+        return second if first is None else first
+    return min(first, second)
 
 
 def _unbounded(limit: int | None) -> int:
