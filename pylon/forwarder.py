@@ -43,7 +43,7 @@ from pylon.errors import (
     upstream_error_for,
 )
 from pylon.tunnel_headers import REQUEST_ID, strip_hop_by_hop
-from pylon.upstream_connection import BodySink
+from pylon.upstream_pump import BodySink
 from pylon.upstream_transport import H11Transport, ResponseBody
 
 logger = logging.getLogger("pylon.forwarder")

@@ -10,7 +10,7 @@ anything else (early close, an error, cancellation at any await) closes it, so
 the engine sees the disconnect and stops generating. Besides httpx's pull
 iteration, the body offers `relay`, which pushes it into a sink from the
 socket callback, with no task wake-up per chunk
-(`pylon.upstream_connection.BodyPump`).
+(`pylon.upstream_pump`).
 
 Failures surface as httpx's own exceptions, as httpcore would raise them
 (`pylon.errors` maps those), and the `trace` request extension gets
@@ -31,7 +31,6 @@ from collections.abc import AsyncIterator, Callable, Mapping
 import httpx
 
 from pylon.upstream_connection import (
-    BodySink,
     OpenConnection,
     Trace,
     UpstreamConnection,
@@ -39,6 +38,7 @@ from pylon.upstream_connection import (
     open_tcp,
 )
 from pylon.upstream_pool import KeepAlivePool, Origin, PoolClosed, PoolStats
+from pylon.upstream_pump import BodySink, relay_body
 from pylon.upstream_response import END_OF_BODY
 
 DEFAULT_PORTS = {"http": 80, "https": 443}
@@ -183,7 +183,8 @@ class ResponseBody(httpx.AsyncByteStream):
             return
         complete = False
         try:
-            await connection.relay_body(
+            await relay_body(
+                connection,
                 sink,
                 idle_timeout_s=_tighter(idle_timeout_s, self._read_timeout_s),
                 on_first_chunk=on_first_chunk,
