@@ -12,9 +12,9 @@ returned, as httpcore does, instead of the write failure.
 
 `H11Transport` (pylon.upstream_transport) drives one exchange at a time
 through `send_request`, `receive_head` and `next_event` (or, for a streamed
-body, `pylon.upstream_pump.relay_body`);
-failures surface as httpx's exceptions, and a head that could not be written
-is reported to the `trace` extension under httpcore's event name.
+body, `pylon.upstream_pump.relay_body`); failures surface as httpx's
+exceptions, and a head that could not be written is reported to the `trace`
+extension under httpcore's event name.
 """
 
 from __future__ import annotations

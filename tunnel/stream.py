@@ -5,8 +5,8 @@ peer only gets more credit as the handler reads, see `flow.py`) and wakes
 writers when acknowledgements drain the send queue. The handler reads with
 `receive()`, answers with `send_head()` / `send_data()` / `end()` (a writer
 driven by callbacks uses `write()`, and `wait_drained()` once it returns
-False), or gives up with `reset()`. A peer reset cancels the handler's task (the protocol does
-that), so an upstream request is closed at once.
+False), or gives up with `reset()`. A peer reset cancels the handler's task
+(the protocol does that), so an upstream request is closed at once.
 """
 
 from __future__ import annotations
