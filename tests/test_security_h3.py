@@ -123,6 +123,22 @@ def test_pylon_offers_no_qpack_dynamic_table(tmp_path: Path) -> None:
     run(scenario())
 
 
+def test_pylon_encodes_responses_without_the_clients_dynamic_table(tmp_path: Path) -> None:
+    """The client offers aioquic's 4 KiB table; a response that used it would cost the
+    client a Section Acknowledgment on its decoder stream, and Pylon an ACK for that."""
+
+    async def scenario() -> None:
+        async with stack(tmp_path) as s, raw_client(s) as client:
+            sent = client._h3.sent_settings
+            assert sent is not None and sent[Setting.QPACK_MAX_TABLE_CAPACITY] > 0
+            for n in range(5):  # the same response fields again and again
+                assert await served(client, f"same-fields-{n}")
+            assert client._h3._encoder_bytes_received == 0  # no insertions
+            assert client._h3._decoder_bytes_sent == 0  # nothing to acknowledge
+
+    run(scenario())
+
+
 @pytest.mark.parametrize(
     ("raw", "error_code"), CONNECTION_ERRORS.values(), ids=CONNECTION_ERRORS.keys()
 )

@@ -13,10 +13,12 @@ peer could make it buffer without bound). And the decoded size of a frame is
 bounded too: `BoundedH3Connection` offers no QPACK dynamic table, because one
 byte of a field section can name a dynamic entry of up to 4 KiB (aioquic's
 capacity), so a 128 KiB frame decodes to 512 MiB in one synchronous call;
-with the static table only, a byte names at most a few dozen bytes. These
-reach into aioquic internals (`QuicConnection._local_max_streams_bidi`,
-`H3Connection._stream`, `_init_connection`), pinned by tests against the
-aioquic version the project locks.
+with the static table only, a byte names at most a few dozen bytes. Nor does
+it use the gateway's dynamic table for responses, since each reference costs
+an acknowledgement packet each way. These reach into aioquic internals
+(`QuicConnection._local_max_streams_bidi`, `H3Connection._stream`,
+`_init_connection`, `_encoder`), pinned by tests against the aioquic version
+the project locks.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from tunnel.stream import StreamLimit
 __all__ = [
     "STREAM_CREDIT_HEADROOM",
     "BoundedH3Connection",
+    "StaticTableEncoder",
     "TunnelLimits",
     "grant_peer_streams",
     "oversized_header_frame",
@@ -61,18 +64,40 @@ class TunnelLimits:
 
 
 class BoundedH3Connection(TunnelH3Connection):
-    """The tunnel's HTTP/3 connection with a QPACK decoder that has no dynamic table.
+    """The tunnel's HTTP/3 connection, with no QPACK dynamic table either way.
 
-    Set before SETTINGS go out, so the peer's encoder never references one
-    (RFC 9204 §3.2.3: capacity 0). The cost is a little header compression on
-    a long-lived connection; the gain is that decoding is linear in the frame.
+    Decoding: set before SETTINGS go out, so the peer's encoder never
+    references one (RFC 9204 §3.2.3: capacity 0), and decoding is linear in
+    the frame. Encoding: responses use the static table even when the peer
+    offers a dynamic one. A field section that references the dynamic table
+    makes the peer's decoder send a Section Acknowledgment (§4.4.1), one more
+    ack-eliciting packet per response that Pylon must acknowledge in turn: two
+    of the seven datagrams of a small request, for a few bytes of compression.
     """
 
     def _init_connection(self) -> None:
         self._max_table_capacity = 0
         self._blocked_streams = 0
         self._decoder = pylsqpack.Decoder(self._max_table_capacity, self._blocked_streams)
+        self._encoder = StaticTableEncoder()  # type: ignore[assignment]
         super()._init_connection()
+
+
+class StaticTableEncoder:
+    """pylsqpack's encoder held to the static table, whatever capacity the peer offers.
+
+    pylsqpack's `Encoder` cannot be subclassed; its methods are bound here as
+    attributes, so encoding costs no extra call.
+    """
+
+    def __init__(self) -> None:
+        encoder = pylsqpack.Encoder()
+        self._apply_settings = encoder.apply_settings
+        self.encode = encoder.encode
+        self.feed_decoder = encoder.feed_decoder
+
+    def apply_settings(self, max_table_capacity: int, blocked_streams: int) -> bytes:
+        return self._apply_settings(max_table_capacity=0, blocked_streams=0)
 
 
 def grant_peer_streams(quic: QuicConnection, limits: TunnelLimits) -> None:
