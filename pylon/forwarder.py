@@ -125,6 +125,7 @@ class UpstreamResponse:
                 first = False
             if not sink.write(chunk):
                 await sink.wait_drained()
+        sink.end()
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """Body bytes exactly as the engine sent them, one chunk per socket read."""

@@ -203,7 +203,6 @@ class TunnelService:
             stream.send_head(upstream.status, upstream.headers)
             exchange.status = upstream.status
             await upstream.relay_to(stream, on_first_chunk=exchange.first_byte)
-            stream.end()
 
     async def _request_content(
         self, stream: TunnelStream, plan: RequestPlan, exchange: Exchange

@@ -4,7 +4,9 @@ Strategy: while a body streams, a `BodyPump` is attached to the connection's
 `UpstreamReader`; each socket read is parsed inside the reader's `feed_data`
 callback and the body chunks are written straight to a `BodySink` (the tunnel
 stream), so an SSE event costs no task wake-up and no trip through a chain of
-async iterators (0.88-0.99x the CPU per event, docs/performance.md). The
+async iterators (0.88-0.99x the CPU per event, docs/performance.md). The end
+of the body ends the sink in the same callback, so the FIN leaves in the
+packet that carries the last bytes instead of one of its own. The
 relaying task sleeps until the body ends, or until the sink is backlogged:
 then the socket is not read until the sink drains, the same backpressure as
 the pull path (`UpstreamConnection.next_event`). Once the body is complete the
@@ -32,6 +34,9 @@ class BodySink(Protocol):
 
     async def wait_drained(self) -> None:
         """Return once the sink takes more again."""
+
+    def end(self) -> None:
+        """The body is complete (never called for a body that failed)."""
 
 
 class BodyPump:
@@ -110,6 +115,7 @@ class BodyPump:
                         self._pause()
                         return
                 elif event is END_OF_BODY:
+                    self._sink.end()
                     self._finish(None)
                 elif event is NEED_DATA:
                     if not self._engine_closed:
@@ -209,7 +215,7 @@ async def relay_body(
     idle_timeout_s: float | None,
     on_first_chunk: Callable[[], None],
 ) -> None:
-    """Write the response body to `sink` as it arrives; return once it is complete.
+    """Write the response body to `sink` as it arrives, and end `sink` once it is complete.
 
     Raises httpx's exceptions as `next_event` would (a silent engine is a
     `ReadTimeout`), or whatever the sink raised.

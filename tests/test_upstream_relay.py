@@ -49,10 +49,17 @@ class Sink:
     waits: int = 0
     drained: asyncio.Event = field(default_factory=asyncio.Event)
     fail_with: Exception | None = None
+    ended: int = 0
+    order: list[str] = field(default_factory=list)
+    """"write" and "end" as called, and "tick" when the loop ran a callback after a write."""
 
     def write(self, data: bytes) -> bool:
         if self.fail_with is not None:
             raise self.fail_with
+        if self.ended:
+            raise RuntimeError("write after end")
+        self.order.append("write")
+        asyncio.get_running_loop().call_soon(self.order.append, "tick")
         self.chunks.append(data)
         self.held += len(data)
         self.peak_held = max(self.peak_held, self.held)
@@ -62,6 +69,10 @@ class Sink:
         self.waits += 1
         self.drained.clear()
         await self.drained.wait()
+
+    def end(self) -> None:
+        self.ended += 1
+        self.order.append("end")
 
     def drain(self) -> None:
         self.held = 0
@@ -162,6 +173,7 @@ def test_any_framing_and_split_relays_the_exact_body(
                 sink = Sink()
                 await relay(h11_transport, engine.url, sink, first_chunks=first_chunks)
                 assert sink.body == body
+                assert sink.ended == 1
                 assert first_chunks == ([0] if body else [])
             # Framed bodies leave the connection reusable; a body ended by the close cannot.
             assert engine.connections == (2 if framing == "until-close" else 1)
@@ -189,6 +201,37 @@ def test_each_sse_event_reaches_the_sink_before_the_engine_sends_the_next() -> N
             await relay(h11_transport, engine.url, sink)
             assert sink.chunks == [b"data: 0\n\n", b"data: 1\n\n", b"data: 2\n\n"]
             assert engine.connections == 1
+
+    run(scenario())
+
+
+LAST_BYTES = {
+    "with the head": [b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"],
+    "in a read of their own": [b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n", b"ok"],
+    "with the last chunk": [
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n",
+        b"2\r\nok\r\n0\r\n\r\n",
+    ],
+}
+"""The engine's writes, 50 ms apart; the last one ends the body."""
+
+
+@pytest.mark.parametrize("writes", LAST_BYTES.values(), ids=LAST_BYTES.keys())
+def test_the_end_reaches_the_sink_before_the_loop_runs_anything_else(writes: list[bytes]) -> None:
+    """So the tunnel sends the FIN with the last body bytes, not in a packet of its own."""
+
+    async def paced(exchange: Exchange) -> None:
+        for data in writes:
+            await exchange.write_raw(data)
+            await asyncio.sleep(0.05)
+
+    async def scenario() -> None:
+        async with Engine(paced) as engine, pooled() as h11_transport:
+            sink = Sink()
+            await relay(h11_transport, engine.url, sink)
+            assert sink.body == b"ok"
+            last_write = len(sink.order) - 1 - sink.order[::-1].index("write")
+            assert sink.order[last_write + 1] == "end"
 
     run(scenario())
 
@@ -257,6 +300,7 @@ def test_an_engine_silent_mid_body_times_out_but_a_backlogged_wait_does_not() ->
                 await relay(h11_transport, engine.url, sink, idle_timeout_s=idle_s)
             assert asyncio.get_running_loop().time() - started >= idle_s
             assert sink.body == b"data: 1\n\n"
+            assert sink.ended == 0
             assert h11_transport.stats().open == 0
 
             # Backlogged from the first token for 3 idle periods, the engine silent
@@ -285,9 +329,11 @@ def test_engine_failures_mid_body_raise_the_pull_paths_errors(name: str) -> None
 
     async def scenario() -> None:
         async with Engine(failure.handler) as engine:
+            sink = Sink()
             with pytest.raises(httpx.TransportError) as raised:
-                await relay(h11_transport := transport(), engine.url, Sink())
+                await relay(h11_transport := transport(), engine.url, sink)
             assert type(raised.value) is failure.raised
+            assert sink.ended == 0  # a cut body must never end like a complete one
             assert h11_transport.stats().open == 0
 
     run(scenario())
@@ -323,6 +369,7 @@ def test_a_close_while_backlogged_ends_the_body_after_what_came_before(
                 with pytest.raises(raised):
                     await task
             assert sink.body == sent
+            assert sink.ended == (1 if raised is None else 0)
             assert sink.peak_held <= piece  # full after each write, so given nothing more
             assert h11_transport.stats().open == 0
 
@@ -342,6 +389,7 @@ def test_a_protocol_error_mid_body_is_a_remote_protocol_error() -> None:
             with pytest.raises(httpx.RemoteProtocolError):
                 await relay(h11_transport := transport(), engine.url, sink)
             assert sink.body == b"okay"
+            assert sink.ended == 0
             assert h11_transport.stats().open == 0
 
     run(scenario())
@@ -393,6 +441,7 @@ def test_a_failing_sink_or_a_cancelled_relay_closes_the_connection() -> None:
             sink = Sink(fail_with=ConnectionAbortedError("the gateway went away"))
             with pytest.raises(ConnectionAbortedError):
                 await relay(h11_transport, engine.url, sink)
+            assert sink.ended == 0
             assert h11_transport.stats().open == 0
 
             waiting_for_the_engine = Sink()
@@ -406,6 +455,7 @@ def test_a_failing_sink_or_a_cancelled_relay_closes_the_connection() -> None:
                 task.cancel()
                 with pytest.raises(asyncio.CancelledError):
                     await task
+                assert sink.ended == 0
                 assert h11_transport.stats().open == 0
             assert await eventually(lambda: engine.gone == 3, within_s=5)
             assert all(reader.pump is None for reader, _ in recorded.opened)
