@@ -102,7 +102,8 @@ class UpstreamResponse:
     _idle_timeout_s: float
 
     async def relay_to(self, sink: BodySink, *, on_first_chunk: Callable[[], None]) -> None:
-        """The whole body into `sink`, with the idle budget; `on_first_chunk` once it starts.
+        """The whole body into `sink`, then end it; the idle budget applies, `on_first_chunk`
+        is called once the body starts. A body that fails leaves `sink` unended.
 
         The h11 transport pushes it from the socket callback (no task wake-up and
         no async-iterator chain per SSE event); any other transport is iterated.

@@ -177,7 +177,7 @@ class ResponseBody(httpx.AsyncByteStream):
         idle_timeout_s: float | None,
         on_first_chunk: Callable[[], None],
     ) -> None:
-        """The whole body into `sink`, pushed as the socket delivers it (instead of iterating)."""
+        """The whole body into `sink`, pushed as the socket delivers it, then `sink.end()`."""
         connection = self._connection
         if connection is None:
             return
