@@ -137,6 +137,13 @@ async def drain_while_waited_on(sink: Sink, task: asyncio.Future[None]) -> None:
         sink.drain()
 
 
+async def write_paced(exchange: Exchange, writes: list[bytes]) -> None:
+    """Each of the engine's writes, 50 ms apart, so each lands in a read of its own."""
+    for data in writes:
+        await exchange.write_raw(data)
+        await asyncio.sleep(0.05)
+
+
 def framed(body: bytes, framing: str, chunk_sizes: list[int]) -> bytes:
     if framing == "chunked":
         head = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
@@ -221,9 +228,7 @@ def test_the_end_reaches_the_sink_before_the_loop_runs_anything_else(writes: lis
     """So the tunnel sends the FIN with the last body bytes, not in a packet of its own."""
 
     async def paced(exchange: Exchange) -> None:
-        for data in writes:
-            await exchange.write_raw(data)
-            await asyncio.sleep(0.05)
+        await write_paced(exchange, writes)
 
     async def scenario() -> None:
         async with Engine(paced) as engine, pooled() as h11_transport:
@@ -417,9 +422,7 @@ def test_bytes_after_the_body_retire_the_connection(writes: list[bytes]) -> None
             await exchange.reply(b"ok")
             return
         first = False
-        for data in writes:
-            await exchange.write_raw(data)
-            await asyncio.sleep(0.05)
+        await write_paced(exchange, writes)
 
     async def scenario() -> None:
         async with Engine(trailing_bytes) as engine, pooled() as h11_transport:
