@@ -177,7 +177,10 @@ class ResponseBody(httpx.AsyncByteStream):
         idle_timeout_s: float | None,
         on_first_chunk: Callable[[], None],
     ) -> None:
-        """The whole body into `sink`, pushed as the socket delivers it, then `sink.end()`."""
+        """The whole body into `sink`, pushed as the socket delivers it, then `sink.end()`.
+
+        A body already consumed or closed relays nothing and leaves `sink` unended.
+        """
         connection = self._connection
         if connection is None:
             return

@@ -71,8 +71,9 @@ class BoundedH3Connection(TunnelH3Connection):
     the frame. Encoding: responses use the static table even when the peer
     offers a dynamic one. A field section that references the dynamic table
     makes the peer's decoder send a Section Acknowledgment (§4.4.1), one more
-    ack-eliciting packet per response that Pylon must acknowledge in turn: two
-    of the seven datagrams of a small request, for a few bytes of compression.
+    ack-eliciting packet per response that Pylon must acknowledge in turn:
+    about two of the six datagrams of a small request, for a few bytes of
+    compression.
     """
 
     def _init_connection(self) -> None:
