@@ -38,6 +38,7 @@ from aioquic.quic.events import (
     StreamReset,
 )
 
+from tunnel.acks import delay_acknowledgements
 from tunnel.flow import ConsumptionCredit, unacked_send_bytes
 from tunnel.h3 import RequestMalformed, TunnelH3Connection
 from tunnel.limits import (
@@ -114,6 +115,7 @@ class TunnelProtocol(QuicConnectionProtocol):
         self._h3: TunnelH3Connection | None = None
         self._credit = ConsumptionCredit(self._quic, window_bytes=options.request_window_bytes)
         visit_only_busy_streams(self._quic)
+        delay_acknowledgements(self._quic)
         self.streams: dict[int, TunnelStream] = {}
         self._awaiting_drain: set[TunnelStream] = set()
         """Streams whose writer waits for acknowledgements: the only ones an ACK can wake."""

@@ -1,0 +1,80 @@
+"""When a tunnel connection acknowledges the gateway's packets: RFC 9000 §13.2.
+
+aioquic acknowledges every ack-eliciting 1-RTT packet 1 ms after it arrives
+(`K_GRANULARITY`), and puts a pending ACK only in packets built after that
+time. A request answered 1.5 ms later therefore costs an ACK-only datagram
+from Pylon before the response, and the gateway a datagram to read.
+
+`delay_acknowledgements` makes the application packet space follow RFC 9000's
+recommendation instead (quic-go, which Caddy uses, does the same):
+
+- the first ack-eliciting packet since the last ACK, arriving in order, is
+  acknowledged within `ACK_DELAY_S`, below the 25 ms `max_ack_delay` aioquic
+  advertises, so the gateway's loss timers already allow for it (§13.2.1);
+- a second ack-eliciting packet is acknowledged at once (§13.2.2), so a
+  request body or a burst of requests is acknowledged as aioquic did;
+- a packet out of order (one past a gap, or a late one) is acknowledged at
+  once, which helps the gateway detect loss (§13.2.1);
+- any packet that carries stream data carries the pending ACK with it.
+
+Initial and Handshake packets keep aioquic's timing; the handshake is not
+slowed. This reaches into aioquic internals (`receive_datagram`,
+`_payload_received`, `_write_application`, `_spaces`); it is kept to this
+module and pinned by tests against the aioquic version the project locks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aioquic import tls
+from aioquic.quic.connection import QuicConnection, QuicReceiveContext
+
+ACK_DELAY_S = 0.020
+"""How long a lone in-order packet may wait for its ACK to ride on a response."""
+
+
+def delay_acknowledgements(quic: QuicConnection, *, delay_s: float = ACK_DELAY_S) -> None:
+    """Hook `quic` so that its 1-RTT acknowledgements follow RFC 9000 §13.2."""
+    receive_datagram = quic.receive_datagram
+    payload_received = quic._payload_received
+    write_application = quic._write_application
+    eliciting = [False]
+    """Whether the datagram being read held an ack-eliciting 1-RTT packet."""
+
+    def note_ack_eliciting(
+        context: QuicReceiveContext, plain: bytes, crypto_frame_required: bool = False
+    ) -> tuple[bool, bool]:
+        result = payload_received(context, plain, crypto_frame_required=crypto_frame_required)
+        if result[0] and context.epoch == tls.Epoch.ONE_RTT:
+            eliciting[0] = True
+        return result
+
+    def receive_and_schedule_ack(data: bytes, addr: Any, now: float) -> None:
+        space = quic._spaces.get(tls.Epoch.ONE_RTT)
+        if space is None:  # before the first datagram sets up the packet spaces
+            receive_datagram(data, addr, now=now)
+            return
+        already_pending = space.ack_at is not None
+        largest = space.largest_received_packet
+        eliciting[0] = False
+        receive_datagram(data, addr, now=now)
+        # A datagram holds at most one 1-RTT packet: its short header runs to the end.
+        if not eliciting[0] or space.ack_at is None:
+            return
+        in_order = space.largest_received_packet == largest + 1
+        space.ack_at = now if already_pending or not in_order else now + delay_s
+
+    def write_application_with_ack(builder: Any, network_path: Any, now: float) -> None:
+        space = quic._spaces[tls.Epoch.ONE_RTT]
+        if (
+            space.ack_at is not None
+            and space.ack_at > now
+            and any(not stream.sender.buffer_is_empty for stream in quic._streams_queue)
+        ):
+            space.ack_at = now  # the first packet with stream data carries it
+        write_application(builder, network_path, now)
+
+    quic.receive_datagram = receive_and_schedule_ack  # type: ignore[method-assign]
+    quic._payload_received = note_ack_eliciting  # type: ignore[method-assign]
+    quic._write_application = write_application_with_ack  # type: ignore[method-assign]
