@@ -102,10 +102,14 @@ class H3Driver:
         ]
         observer = StreamObserver(time.monotonic())
         status: int | None = None
-        stream_id = client.open_request(tuple(head), end=not spec.body)
+        stream_id = client.open_request(
+            tuple(head),
+            end=len(spec.body) <= BODY_CHUNK_BYTES,
+            body=spec.body[:BODY_CHUNK_BYTES],
+        )
         try:
             async with asyncio.timeout_at(deadline):
-                await _send_body(client, stream_id, spec.body)
+                await client.send_rest_paced(stream_id, spec.body, chunk_size=BODY_CHUNK_BYTES)
                 response = await client.response(stream_id)
                 status = response.status
                 async for chunk in response.chunks():
@@ -119,14 +123,6 @@ class H3Driver:
         return _record(
             spec, request_id, observer, status=status, end_s=time.monotonic(), error=None
         )
-
-
-async def _send_body(client: TimedH3Client, stream_id: int, body: bytes) -> None:
-    view = memoryview(body)
-    for offset in range(0, len(body), BODY_CHUNK_BYTES):
-        end = offset + BODY_CHUNK_BYTES >= len(body)
-        client.send_body(stream_id, bytes(view[offset : offset + BODY_CHUNK_BYTES]), end=end)
-        await asyncio.sleep(0)
 
 
 class H1Driver:

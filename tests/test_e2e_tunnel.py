@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import socket
 from pathlib import Path
+from typing import Any
 
 import pytest
 from aioquic.h3.connection import ErrorCode
@@ -47,6 +49,46 @@ def test_malformed_stream_is_reset_and_connection_keeps_serving(
             ok = await client.request("POST", CHAT, headers=tunnel_headers("after"), body=BODY)
             assert ok.status == 200
             await ok.read()
+
+    run(scenario())
+
+
+def test_a_small_request_costs_one_datagram_each_way(tmp_path: Path) -> None:
+    """The request arrives in one datagram and its ACK leaves with the response
+    (tunnel.acks), not in a datagram of its own before it."""
+    requests = 20
+
+    async def scenario() -> None:
+        async with stack(tmp_path) as s, s.client() as client:
+            warm = await client.request("POST", CHAT, headers=tunnel_headers("warm"), body=BODY)
+            await warm.read()
+            await asyncio.sleep(0.05)  # the handshake's last ACKs
+            (protocol,) = s.pylon.tunnel.registry.connections
+            quic = protocol._quic
+            counts = {"in": 0, "out": 0}
+            receive, send = quic.receive_datagram, quic.datagrams_to_send
+
+            def counted_receive(data: bytes, addr: Any, now: float) -> None:
+                counts["in"] += 1
+                receive(data, addr, now=now)
+
+            def counted_send(now: float) -> list[tuple[bytes, Any]]:
+                datagrams = send(now=now)
+                counts["out"] += len(datagrams)
+                return datagrams
+
+            quic.receive_datagram = counted_receive  # type: ignore[method-assign]
+            quic.datagrams_to_send = counted_send  # type: ignore[method-assign]
+            for index in range(requests):
+                response = await client.request(
+                    "POST", CHAT, headers=tunnel_headers(f"r-{index}"), body=BODY
+                )
+                assert response.status == 200
+                await response.read()
+                await asyncio.sleep(0.005)  # the client's ACK of the response
+            # In: the request and the client's ACK. A few spare for a slow machine.
+            assert counts["in"] <= 2 * requests + 4
+            assert counts["out"] <= requests + 4
 
     run(scenario())
 

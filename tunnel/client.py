@@ -161,9 +161,19 @@ class H3Client(QuicConnectionProtocol):
         self.transmit()
 
     def open_request(
-        self, headers: HeaderList, *, end: bool, receive_window_bytes: int | None = None
+        self,
+        headers: HeaderList,
+        *,
+        end: bool,
+        body: bytes = b"",
+        receive_window_bytes: int | None = None,
     ) -> int:
-        """Send a raw header list on a new stream (no validation) and return its id."""
+        """Send a raw header list on a new stream (no validation) and return its id.
+
+        `body`, the start of the request body, leaves in the same transmit as the
+        headers, as a gateway with the body at hand sends it; `end` ends the stream
+        after it.
+        """
         stream_id = self._quic.get_next_available_stream_id()
         head: asyncio.Future[tuple[int, HeaderList]] = self._loop.create_future()
         queue: asyncio.Queue[Any] = asyncio.Queue()
@@ -172,7 +182,9 @@ class H3Client(QuicConnectionProtocol):
         window = receive_window_bytes or self._default_window
         if window is not None:
             self._limit_stream(stream_id, window)
-        self._h3.send_headers(stream_id, list(headers), end_stream=end)
+        self._h3.send_headers(stream_id, list(headers), end_stream=end and not body)
+        if body:
+            self._h3.send_data(stream_id, body, end_stream=end)
         self.transmit()
         return stream_id
 
@@ -203,17 +215,26 @@ class H3Client(QuicConnectionProtocol):
             (b":path", path.encode()),
             *((k.lower().encode(), v.encode()) for k, v in headers),
         )
-        stream_id = self.open_request(head, end=not body, receive_window_bytes=receive_window_bytes)
-        if body:
-            await self._send_paced(stream_id, body, chunk_size=chunk_size)
+        body = body or b""
+        stream_id = self.open_request(
+            head,
+            end=len(body) <= chunk_size,
+            body=body[:chunk_size],
+            receive_window_bytes=receive_window_bytes,
+        )
+        await self.send_rest_paced(stream_id, body, chunk_size=chunk_size)
         return await self.response(stream_id)
 
-    async def _send_paced(self, stream_id: int, body: bytes, *, chunk_size: int) -> None:
+    async def send_rest_paced(self, stream_id: int, body: bytes, *, chunk_size: int) -> None:
+        """Send `body` after its first `chunk_size` bytes, which `open_request` sent.
+
+        One chunk per loop pass, so a large upload does not hold the loop.
+        """
         view = memoryview(body)
-        for offset in range(0, len(body), chunk_size):
+        for offset in range(chunk_size, len(body), chunk_size):
+            await asyncio.sleep(0)
             chunk = bytes(view[offset : offset + chunk_size])
             self.send_body(stream_id, chunk, end=offset + chunk_size >= len(body))
-            await asyncio.sleep(0)
 
 
 def client_configuration(
