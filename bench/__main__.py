@@ -56,6 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--warmup", type=int, default=None, help="warm-up requests per path")
     compare.add_argument("--no-caddy", action="store_true", help="skip the Caddy path")
     compare.add_argument(
+        "--caddy-no-access-log",
+        action="store_true",
+        help="Caddy without its access log (Pylon still writes one)",
+    )
+    compare.add_argument(
         "--pylon-no-auth", action="store_true", help="--insecure-no-auth instead of a token"
     )
     compare.add_argument(
@@ -199,6 +204,7 @@ def run_compare_command(ns: argparse.Namespace) -> int:
         warmup=ns.warmup,
         duration_s=ns.duration_s,
         with_caddy=not ns.no_caddy,
+        caddy_access_log=not ns.caddy_no_access_log,
         pylon_auth=not ns.pylon_no_auth,
         pylon_args=tuple(ns.pylon_arg),
         pylon_command=tuple(shlex.split(ns.pylon_command or "")),

@@ -8,7 +8,10 @@ Each line is there for a reason:
 - `tls CERT KEY`: the same development certificate Pylon uses;
 - `flush_interval -1`: write every upstream chunk at once, as Pylon does for
   SSE (Caddy already flushes text/event-stream immediately; this makes it
-  explicit for every response).
+  explicit for every response);
+- `log` (unless `access_log=False`): one JSON access line per request on
+  stderr, as Pylon writes one, so both proxies do a production proxy's work
+  (Caddy logs no requests without it).
 Caddy keeps its state under XDG_DATA_HOME / XDG_CONFIG_HOME, which the bench
 points into its temporary directory.
 """
@@ -18,8 +21,9 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def caddyfile(*, port: int, upstream: str, cert: Path, key: Path) -> str:
+def caddyfile(*, port: int, upstream: str, cert: Path, key: Path, access_log: bool = True) -> str:
     """A site on https://127.0.0.1:`port` (TCP and UDP) proxying to `upstream` (HOST:PORT)."""
+    log = "\tlog {\n\t\toutput stderr\n\t\tformat json\n\t}\n" if access_log else ""
     return f"""{{
 	admin off
 	auto_https off
@@ -31,7 +35,7 @@ def caddyfile(*, port: int, upstream: str, cert: Path, key: Path) -> str:
 https://:{port} {{
 	bind 127.0.0.1
 	tls {cert} {key}
-	reverse_proxy {upstream} {{
+{log}	reverse_proxy {upstream} {{
 		flush_interval -1
 	}}
 }}

@@ -45,6 +45,8 @@ class CompareOptions:
     warmup: int | None = None
     duration_s: float = 120.0
     with_caddy: bool = True
+    caddy_access_log: bool = True
+    """Caddy writes an access line per request, as Pylon does (False: Caddy's default, none)."""
     pylon_auth: bool = True
     """Bearer-token authentication on Pylon, as in production (Caddy has none)."""
     pylon_args: tuple[str, ...] = ()
@@ -145,7 +147,13 @@ def run_compare(options: CompareOptions) -> dict[str, Any]:
             paths[name] = _Path(Target("h3", stack.HOST, service.port), service, pylon_pattern)
         if options.with_caddy and stack.caddy_binary() is not None:
             caddy = running.enter_context(
-                stack.caddy(out, upstream_port=engine.port, cert=tls[0], key=tls[1])
+                stack.caddy(
+                    out,
+                    upstream_port=engine.port,
+                    cert=tls[0],
+                    key=tls[1],
+                    access_log=options.caddy_access_log,
+                )
             )
             paths["caddy"] = _Path(Target("h3", stack.HOST, caddy.port), caddy, pattern)
         elif options.with_caddy:

@@ -208,14 +208,19 @@ def caddy_binary() -> str | None:
 
 
 @contextlib.contextmanager
-def caddy(log_dir: Path, *, upstream_port: int, cert: Path, key: Path) -> Iterator[Service]:
+def caddy(
+    log_dir: Path, *, upstream_port: int, cert: Path, key: Path, access_log: bool = True
+) -> Iterator[Service]:
     """Caddy 2.6 with HTTP/3 in front of the engine; its state stays under `log_dir`."""
     binary = caddy_binary()
     if binary is None:
         raise FileNotFoundError("caddy is not installed (Debian: apt-get install -y caddy)")
     port = free_port_tcp_and_udp()
     config = log_dir / "Caddyfile"
-    config.write_text(caddyfile(port=port, upstream=f"{HOST}:{upstream_port}", cert=cert, key=key))
+    upstream = f"{HOST}:{upstream_port}"
+    config.write_text(
+        caddyfile(port=port, upstream=upstream, cert=cert, key=key, access_log=access_log)
+    )
     state = log_dir / "caddy-state"
     env: dict[str, Any] = {**os.environ, "XDG_DATA_HOME": str(state), "XDG_CONFIG_HOME": str(state)}
     argv = [binary, "run", "--config", str(config), "--adapter", "caddyfile"]

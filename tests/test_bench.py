@@ -393,23 +393,34 @@ def _require_caddy() -> str:
     return binary
 
 
-def test_generated_caddyfile_validates(tmp_path: Path) -> None:
-    binary = _require_caddy()
-    cert, key = tmp_path / "c.pem", tmp_path / "k.pem"
-    text = caddyfile(port=4443, upstream="127.0.0.1:8000", cert=cert, key=key)
-    assert "protocols h1 h2 h3" in text and "flush_interval -1" in text and "admin off" in text
-    (tmp_path / "Caddyfile").write_text(text)
+def _adapted(binary: str, text: str, directory: Path) -> dict[str, Any]:
+    """Caddy's own JSON for a Caddyfile: `caddy adapt` fails on one it rejects."""
+    (directory / "Caddyfile").write_text(text)
     adapted = subprocess.run(
-        [binary, "adapt", "--config", str(tmp_path / "Caddyfile"), "--adapter", "caddyfile"],
+        [binary, "adapt", "--config", str(directory / "Caddyfile"), "--adapter", "caddyfile"],
         capture_output=True,
         text=True,
         timeout=30,
         check=True,
     )
-    config = json.loads(adapted.stdout)
+    config: dict[str, Any] = json.loads(adapted.stdout)
+    return config
+
+
+def test_generated_caddyfile_validates(tmp_path: Path) -> None:
+    binary = _require_caddy()
+    cert, key = tmp_path / "c.pem", tmp_path / "k.pem"
+    text = caddyfile(port=4443, upstream="127.0.0.1:8000", cert=cert, key=key)
+    assert "protocols h1 h2 h3" in text and "flush_interval -1" in text and "admin off" in text
+    config = _adapted(binary, text, tmp_path)
     server = config["apps"]["http"]["servers"]["srv0"]
     assert server["protocols"] == ["h1", "h2", "h3"]
     assert server["listen"] == ["127.0.0.1:4443"]
+    assert "logs" in server  # an access line per request, as Pylon writes
+    assert config["logging"]["logs"]["log0"]["encoder"]["format"] == "json"
+
+    quiet = caddyfile(port=4443, upstream="127.0.0.1:8000", cert=cert, key=key, access_log=False)
+    assert "logs" not in _adapted(binary, quiet, tmp_path)["apps"]["http"]["servers"]["srv0"]
 
 
 @pytest.mark.e2e
@@ -458,6 +469,8 @@ def test_compare_smoke_writes_json_for_every_path(tmp_path: Path) -> None:
     assert "ttfb_p50_s pylon/caddy" in written["comparison"]
     assert "proxy_cpu_per_event_s candidate/pylon" in written["comparison"]
     assert result["targets"]
+    caddy_log = next(tmp_path.glob("*-compare-stream/caddy.log")).read_text()
+    assert caddy_log.count('"logger":"http.log.access') >= 4
 
 
 @pytest.mark.e2e
