@@ -103,10 +103,13 @@ class Link:
         ]
 
 
-def test_a_lone_request_is_acknowledged_by_its_response(
-    cert_dir: Path, qlog_on_the_test_clock: Clock
-) -> None:
-    link = Link(cert_dir, qlog_on_the_test_clock)
+@pytest.fixture
+def link(cert_dir: Path, qlog_on_the_test_clock: Clock) -> Link:
+    """A connected pair with the hook on the server."""
+    return Link(cert_dir, qlog_on_the_test_clock)
+
+
+def test_a_lone_request_is_acknowledged_by_its_response(link: Link) -> None:
     link.deliver(request := link.request())
     assert len(request) == 1
     link.advance(3 * MS)
@@ -126,10 +129,7 @@ def test_aioquic_alone_would_send_an_ack_of_its_own(
     assert link.server_packets() == [{"ack"}]
 
 
-def test_a_lone_packet_is_acknowledged_within_the_delay(
-    cert_dir: Path, qlog_on_the_test_clock: Clock
-) -> None:
-    link = Link(cert_dir, qlog_on_the_test_clock)
+def test_a_lone_packet_is_acknowledged_within_the_delay(link: Link) -> None:
     arrived = link.now
     link.deliver(link.request())
     timer = link.server.get_timer()
@@ -141,10 +141,7 @@ def test_a_lone_packet_is_acknowledged_within_the_delay(
     assert link.server_packets() == [{"ack"}]
 
 
-def test_a_second_packet_is_acknowledged_at_once(
-    cert_dir: Path, qlog_on_the_test_clock: Clock
-) -> None:
-    link = Link(cert_dir, qlog_on_the_test_clock)
+def test_a_second_packet_is_acknowledged_at_once(link: Link) -> None:
     link.deliver(link.request())
     link.advance(MS)
     assert link.server_packets() == []
@@ -152,20 +149,14 @@ def test_a_second_packet_is_acknowledged_at_once(
     assert link.server_packets() == [{"ack"}]
 
 
-def test_a_packet_past_a_gap_is_acknowledged_at_once(
-    cert_dir: Path, qlog_on_the_test_clock: Clock
-) -> None:
-    link = Link(cert_dir, qlog_on_the_test_clock)
+def test_a_packet_past_a_gap_is_acknowledged_at_once(link: Link) -> None:
     link.request()  # lost on the way
     link.advance(MS)
     link.deliver(link.request())
     assert link.server_packets() == [{"ack"}]
 
 
-def test_a_late_packet_is_acknowledged_at_once(
-    cert_dir: Path, qlog_on_the_test_clock: Clock
-) -> None:
-    link = Link(cert_dir, qlog_on_the_test_clock)
+def test_a_late_packet_is_acknowledged_at_once(link: Link) -> None:
     early, late = link.request(), link.request()
     link.deliver(late)
     assert link.server_packets() == [{"ack"}]  # past a gap
@@ -174,10 +165,7 @@ def test_a_late_packet_is_acknowledged_at_once(
     assert link.server_packets() == [{"ack"}]
 
 
-def test_a_packet_that_needs_no_ack_does_not_hurry_one(
-    cert_dir: Path, qlog_on_the_test_clock: Clock
-) -> None:
-    link = Link(cert_dir, qlog_on_the_test_clock)
+def test_a_packet_that_needs_no_ack_does_not_hurry_one(link: Link) -> None:
     link.deliver(link.request())
     link.server.send_ping(1)  # ack-eliciting, but no stream data: leaves without the ACK
     assert link.server_packets() == [{"ping"}]
@@ -187,10 +175,7 @@ def test_a_packet_that_needs_no_ack_does_not_hurry_one(
     assert link.server_packets() == []
 
 
-def test_the_advertised_max_ack_delay_covers_the_delay(
-    cert_dir: Path, qlog_on_the_test_clock: Clock
-) -> None:
-    link = Link(cert_dir, qlog_on_the_test_clock)
+def test_the_advertised_max_ack_delay_covers_the_delay(link: Link) -> None:
     # What the gateway's loss timers allow for, from the server's transport parameters.
     assert link.client._loss.max_ack_delay >= ACK_DELAY_S + 4 * MS
 
