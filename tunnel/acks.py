@@ -5,14 +5,16 @@ aioquic acknowledges every ack-eliciting 1-RTT packet 1 ms after it arrives
 time. A request answered 1.5 ms later therefore costs an ACK-only datagram
 from Pylon before the response, and the gateway a datagram to read.
 
-`delay_acknowledgements` makes the application packet space follow RFC 9000's
-recommendation instead (quic-go, which Caddy uses, does the same):
+`delay_acknowledgements` changes when the application packet space
+acknowledges, within what RFC 9000 §13.2 allows:
 
 - the first ack-eliciting packet since the last ACK, arriving in order, is
   acknowledged within `ACK_DELAY_S`, below the 25 ms `max_ack_delay` aioquic
   advertises, so the gateway's loss timers already allow for it (§13.2.1);
-- a second ack-eliciting packet is acknowledged at once (§13.2.2), so a
-  request body or a burst of requests is acknowledged as aioquic did;
+- a second ack-eliciting packet is acknowledged within 1 ms, together with
+  every packet that follows it in that time: aioquic's own timing, which
+  sends one ACK a millisecond for a request body where acknowledging every
+  second packet (§13.2.2's suggestion, quic-go's choice) would send dozens;
 - a packet out of order (one past a gap, or a late one) is acknowledged at
   once, which helps the gateway detect loss (§13.2.1);
 - any packet that carries stream data carries the pending ACK with it.
@@ -28,6 +30,7 @@ from __future__ import annotations
 from typing import Any
 
 from aioquic import tls
+from aioquic.quic.congestion.base import K_GRANULARITY
 from aioquic.quic.connection import QuicConnection, QuicReceiveContext
 
 ACK_DELAY_S = 0.020
@@ -62,8 +65,12 @@ def delay_acknowledgements(quic: QuicConnection, *, delay_s: float = ACK_DELAY_S
         # A datagram holds at most one 1-RTT packet: its short header runs to the end.
         if not eliciting[0] or space.ack_at is None:
             return
-        in_order = space.largest_received_packet == largest + 1
-        space.ack_at = now if already_pending or not in_order else now + delay_s
+        if space.largest_received_packet != largest + 1:  # past a gap, or late
+            space.ack_at = now
+        elif already_pending:
+            space.ack_at = min(space.ack_at, now + K_GRANULARITY)
+        else:
+            space.ack_at = now + delay_s
 
     def write_application_with_ack(builder: Any, network_path: Any, now: float) -> None:
         space = quic._spaces[tls.Epoch.ONE_RTT]
