@@ -36,6 +36,8 @@ from aioquic.quic.connection import QuicConnection, QuicReceiveContext
 ACK_DELAY_S = 0.020
 """How long a lone in-order packet may wait for its ACK to ride on a response."""
 
+_ONE_RTT = tls.Epoch.ONE_RTT
+
 
 def delay_acknowledgements(quic: QuicConnection, *, delay_s: float = ACK_DELAY_S) -> None:
     """Hook `quic` so that its 1-RTT acknowledgements follow RFC 9000 §13.2."""
@@ -44,24 +46,28 @@ def delay_acknowledgements(quic: QuicConnection, *, delay_s: float = ACK_DELAY_S
     write_application = quic._write_application
     eliciting = [False]
     """Whether the datagram being read held an ack-eliciting 1-RTT packet."""
+    spaces = quic._spaces
+    # These run for every datagram: one upload is some 900, so they stay lean.
 
     def note_ack_eliciting(
         context: QuicReceiveContext, plain: bytes, crypto_frame_required: bool = False
     ) -> tuple[bool, bool]:
-        result = payload_received(context, plain, crypto_frame_required=crypto_frame_required)
-        if result[0] and context.epoch == tls.Epoch.ONE_RTT:
+        result = payload_received(context, plain, crypto_frame_required)
+        if result[0] and context.epoch is _ONE_RTT:
             eliciting[0] = True
         return result
 
     def receive_and_schedule_ack(data: bytes, addr: Any, now: float) -> None:
-        space = quic._spaces.get(tls.Epoch.ONE_RTT)
+        nonlocal spaces
+        space = spaces.get(_ONE_RTT)
         if space is None:  # before the first datagram sets up the packet spaces
-            receive_datagram(data, addr, now=now)
+            receive_datagram(data, addr, now)
+            spaces = quic._spaces
             return
         already_pending = space.ack_at is not None
         largest = space.largest_received_packet
         eliciting[0] = False
-        receive_datagram(data, addr, now=now)
+        receive_datagram(data, addr, now)
         # A datagram holds at most one 1-RTT packet: its short header runs to the end.
         if not eliciting[0] or space.ack_at is None:
             return
@@ -73,7 +79,7 @@ def delay_acknowledgements(quic: QuicConnection, *, delay_s: float = ACK_DELAY_S
             space.ack_at = now + delay_s
 
     def write_application_with_ack(builder: Any, network_path: Any, now: float) -> None:
-        space = quic._spaces[tls.Epoch.ONE_RTT]
+        space = quic._spaces[_ONE_RTT]
         if (
             space.ack_at is not None
             and space.ack_at > now
