@@ -20,9 +20,11 @@ acknowledges, within what RFC 9000 §13.2 allows:
 - any packet that carries stream data carries the pending ACK with it.
 
 Initial and Handshake packets keep aioquic's timing; the handshake is not
-slowed. This reaches into aioquic internals (`receive_datagram`,
-`_payload_received`, `_write_application`, `_spaces`); it is kept to this
-module and pinned by tests against the aioquic version the project locks.
+slowed. A packet that needs no ACK, arriving while one waits, is treated
+as a second packet: the hook sees the packet space, not the frames. This
+reaches into aioquic internals (`receive_datagram`, `_write_application`,
+`_spaces`); it is kept to this module and pinned by tests against the
+aioquic version the project locks.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from typing import Any
 
 from aioquic import tls
 from aioquic.quic.congestion.base import K_GRANULARITY
-from aioquic.quic.connection import QuicConnection, QuicReceiveContext
+from aioquic.quic.connection import QuicConnection
 
 ACK_DELAY_S = 0.020
 """How long a lone in-order packet may wait for its ACK to ride on a response."""
@@ -42,41 +44,30 @@ _ONE_RTT = tls.Epoch.ONE_RTT
 def delay_acknowledgements(quic: QuicConnection, *, delay_s: float = ACK_DELAY_S) -> None:
     """Hook `quic` so that its 1-RTT acknowledgements follow RFC 9000 §13.2."""
     receive_datagram = quic.receive_datagram
-    payload_received = quic._payload_received
     write_application = quic._write_application
-    eliciting = [False]
-    """Whether the datagram being read held an ack-eliciting 1-RTT packet."""
     spaces = quic._spaces
-    # These run for every datagram: one upload is some 900, so they stay lean.
-
-    def note_ack_eliciting(
-        context: QuicReceiveContext, plain: bytes, crypto_frame_required: bool = False
-    ) -> tuple[bool, bool]:
-        result = payload_received(context, plain, crypto_frame_required)
-        if result[0] and context.epoch is _ONE_RTT:
-            eliciting[0] = True
-        return result
 
     def receive_and_schedule_ack(data: bytes, addr: Any, now: float) -> None:
+        # Runs for every datagram (an upload is some 900 of them), so it stays lean.
         nonlocal spaces
         space = spaces.get(_ONE_RTT)
         if space is None:  # before the first datagram sets up the packet spaces
             receive_datagram(data, addr, now)
             spaces = quic._spaces
             return
-        already_pending = space.ack_at is not None
+        pending = space.ack_at
         largest = space.largest_received_packet
-        eliciting[0] = False
         receive_datagram(data, addr, now)
-        # A datagram holds at most one 1-RTT packet: its short header runs to the end.
-        if not eliciting[0] or space.ack_at is None:
+        if space.ack_at is None:  # nothing asks for an ACK
             return
-        if space.largest_received_packet != largest + 1:  # past a gap, or late
+        # A datagram holds at most one 1-RTT packet: its short header runs to the end.
+        step = space.largest_received_packet - largest
+        if step != 1:  # past a gap, or late
             space.ack_at = now
-        elif already_pending:
-            space.ack_at = min(space.ack_at, now + K_GRANULARITY)
-        else:
+        elif pending is None:  # the first packet since the last ACK, in order
             space.ack_at = now + delay_s
+        else:  # another packet while one waits: aioquic's own pace
+            space.ack_at = min(pending, now + K_GRANULARITY)
 
     def write_application_with_ack(builder: Any, network_path: Any, now: float) -> None:
         space = quic._spaces[_ONE_RTT]
@@ -89,5 +80,4 @@ def delay_acknowledgements(quic: QuicConnection, *, delay_s: float = ACK_DELAY_S
         write_application(builder, network_path, now)
 
     quic.receive_datagram = receive_and_schedule_ack  # type: ignore[method-assign]
-    quic._payload_received = note_ack_eliciting  # type: ignore[method-assign]
     quic._write_application = write_application_with_ack  # type: ignore[method-assign]
