@@ -19,6 +19,7 @@ from aioquic.quic.logger import QuicLogger
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from bench.experiments.ack_upload import report, run_uploads
 from bench.sendpath import CLIENT_ADDR, SERVER_ADDR, MemoryPair, connect
 from tunnel.acks import ACK_DELAY_S, delay_acknowledgements
 
@@ -270,3 +271,12 @@ def test_no_packet_waits_longer_than_the_delay_for_its_ack(
     waits = acknowledgement_waits(link, steps)
     assert waits  # the server received ack-eliciting packets
     assert max(waits) <= ACK_DELAY_S + 1e-9
+
+
+def test_ack_upload_bench_smoke() -> None:
+    body_bytes = 200_000
+    runs = run_uploads(rounds=1, body_bytes=body_bytes)
+
+    assert sorted(run.hooked for run in runs) == [False, True]
+    assert all(run.server_cpu_s > 0 and run.server_datagrams > 0 for run in runs)
+    assert "hooked/plain" in report(runs, body_bytes=body_bytes)
