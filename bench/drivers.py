@@ -102,10 +102,8 @@ class H3Driver:
         ]
         observer = StreamObserver(time.monotonic())
         status: int | None = None
-        stream_id = client.open_request(
-            tuple(head),
-            end=len(spec.body) <= BODY_CHUNK_BYTES,
-            body=spec.body[:BODY_CHUNK_BYTES],
+        stream_id = client.open_request_with_body(
+            tuple(head), spec.body, chunk_size=BODY_CHUNK_BYTES
         )
         try:
             async with asyncio.timeout_at(deadline):

@@ -1,4 +1,4 @@
-"""A tunnel connection acknowledges as RFC 9000 §13.2 recommends (`tunnel.acks`).
+"""A tunnel connection acknowledges within what RFC 9000 §13.2 allows (`tunnel.acks`).
 
 Client and server QuicConnections exchange datagrams in memory on a clock the
 test moves (`bench.sendpath.MemoryPair`); the server's qlog, stamped with that

@@ -42,7 +42,7 @@ _ONE_RTT = tls.Epoch.ONE_RTT
 
 
 def delay_acknowledgements(quic: QuicConnection, *, delay_s: float = ACK_DELAY_S) -> None:
-    """Hook `quic` so that its 1-RTT acknowledgements follow RFC 9000 §13.2."""
+    """Hook `quic` so that its 1-RTT acknowledgements ride on responses (see the module)."""
     receive_datagram = quic.receive_datagram
     write_application = quic._write_application
     spaces = quic._spaces

@@ -188,6 +188,23 @@ class H3Client(QuicConnectionProtocol):
         self.transmit()
         return stream_id
 
+    def open_request_with_body(
+        self,
+        headers: HeaderList,
+        body: bytes,
+        *,
+        chunk_size: int,
+        receive_window_bytes: int | None = None,
+    ) -> int:
+        """`open_request` with the first `chunk_size` bytes of `body`, ending the stream if
+        that is all of it; `send_rest_paced` sends the rest."""
+        return self.open_request(
+            headers,
+            end=len(body) <= chunk_size,
+            body=body[:chunk_size],
+            receive_window_bytes=receive_window_bytes,
+        )
+
     def send_body(self, stream_id: int, data: bytes, *, end: bool) -> None:
         self._h3.send_data(stream_id, data, end_stream=end)
         self.transmit()
@@ -216,17 +233,14 @@ class H3Client(QuicConnectionProtocol):
             *((k.lower().encode(), v.encode()) for k, v in headers),
         )
         body = body or b""
-        stream_id = self.open_request(
-            head,
-            end=len(body) <= chunk_size,
-            body=body[:chunk_size],
-            receive_window_bytes=receive_window_bytes,
+        stream_id = self.open_request_with_body(
+            head, body, chunk_size=chunk_size, receive_window_bytes=receive_window_bytes
         )
         await self.send_rest_paced(stream_id, body, chunk_size=chunk_size)
         return await self.response(stream_id)
 
     async def send_rest_paced(self, stream_id: int, body: bytes, *, chunk_size: int) -> None:
-        """Send `body` after its first `chunk_size` bytes, which `open_request` sent.
+        """Send `body` after its first `chunk_size` bytes, which `open_request_with_body` sent.
 
         One chunk per loop pass, so a large upload does not hold the loop.
         """
