@@ -52,7 +52,8 @@ class UpstreamSettings(_Section):
     max_connections: int = Field(default=1024, ge=1)
     max_keepalive_connections: int = Field(default=256, ge=0)
     transport: Literal["h11", "httpcore"] = "h11"
-    """HTTP/1.1 client under httpx: Pylon's own over asyncio (h11 writes, llhttp reads), or httpx's
+    """HTTP/1.1 client under httpx: Pylon's own over asyncio (`pylon.upstream_request` writes,
+    llhttp reads; "h11" is the name it was first built on), or httpx's
     stock httpcore (a fallback; it measured 1.4-2.2x the CPU per request)."""
 
     @field_validator("url")

@@ -29,18 +29,15 @@ NOISY_LOGGERS = ("quic", "httpx", "httpcore", "aioquic")
 """Chatty at info; their warnings still show."""
 
 
-def _loggable(value: Any) -> Any:
-    if isinstance(value, bytes | bytearray | memoryview):
-        return f"<{len(value)} bytes>"
-    return value
+_NOT_EXTRA = _STANDARD_ATTRIBUTES | NEVER_LOGGED
 
 
 def _extra_fields(record: logging.LogRecord) -> dict[str, Any]:
-    return {
-        key: _loggable(value)
-        for key, value in vars(record).items()
-        if key not in _STANDARD_ATTRIBUTES and key not in NEVER_LOGGED
-    }
+    fields = {key: value for key, value in vars(record).items() if key not in _NOT_EXTRA}
+    for key, value in fields.items():
+        if isinstance(value, bytes | bytearray | memoryview):
+            fields[key] = f"<{len(value)} bytes>"
+    return fields
 
 
 def _timestamp(record: logging.LogRecord) -> str:
@@ -90,6 +87,13 @@ def configure_logging(*, level: str, human: bool, stream: TextIO | None = None) 
         raise ValueError(f"log level must be one of {', '.join(LEVELS)}")
     handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
     handler.setFormatter(HumanFormatter() if human else JsonFormatter())
+    # Neither format shows the caller's file and line, the thread or the process, so
+    # skip collecting them for every record (the logging HOWTO's "Optimization"):
+    # a fifth of the cost of an access line.
+    logging._srcfile = None
+    logging.logThreads = False
+    logging.logProcesses = False
+    logging.logMultiprocessing = False
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar, cast
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
@@ -21,6 +22,8 @@ from pylon.pipeline import Derivation
 from pylon.readiness import ProbeResult
 from tunnel.server import CONNECTION_LIMIT
 from tunnel.tls import Refusal
+
+SeriesT = TypeVar("SeriesT", Counter, Histogram)
 
 LATENCY_BUCKETS_S: tuple[float, ...] = (
     *(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5),
@@ -98,6 +101,9 @@ class Metrics:
         self.backend = backend
         self.deny_list = deny_list
         self._registry = registry
+        self._kept_series: dict[
+            tuple[Counter | Histogram, tuple[str, ...]], Counter | Histogram
+        ] = {}
         self._declare_requests()
         self._declare_inputs()
         self._declare_failures()
@@ -212,6 +218,18 @@ class Metrics:
             unlabelled.labels(backend)
         self.engine_ready.labels(backend).set(0)
 
+    def _series(self, metric: SeriesT, *labels: str) -> SeriesT:
+        """This backend's series of `metric` for `labels`, looked up once and kept.
+
+        `labels()` validates and locks on every call: 1.5 µs, and a request makes
+        seven such calls. Series are never removed, so a kept one stays live.
+        """
+        key = (metric, labels)
+        series = self._kept_series.get(key)
+        if series is None:
+            series = self._kept_series[key] = metric.labels(self.backend, *labels)
+        return cast(SeriesT, series)
+
     def live_gauge(self, name: str, documentation: str, read: Callable[[], float]) -> None:
         """A gauge whose value is read from live state at scrape time."""
         Gauge(name, documentation, registry=self._registry).set_function(read)
@@ -229,17 +247,17 @@ class Metrics:
         response_bytes: int,
     ) -> None:
         route = bounded(route, ROUTES)
-        self.requests.labels(self.backend, route, status_class(status)).inc()
-        self.duration.labels(self.backend, route).observe(duration_s)
+        self._series(self.requests, route, status_class(status)).inc()
+        self._series(self.duration, route).observe(duration_s)
         if ttfb_s is not None:
-            self.ttfb.labels(self.backend, route).observe(ttfb_s)
-        self.request_bytes.labels(self.backend).inc(request_bytes)
-        self.response_bytes.labels(self.backend).inc(response_bytes)
+            self._series(self.ttfb, route).observe(ttfb_s)
+        self._series(self.request_bytes).inc(request_bytes)
+        self._series(self.response_bytes).inc(response_bytes)
 
     def priority_derived(self, outcome: Derivation, emitted: int | None) -> None:
-        self.derivations.labels(self.backend, outcome.value).inc()
+        self._series(self.derivations, outcome.value).inc()
         if emitted is not None:
-            self.priority.labels(self.backend).observe(emitted)
+            self._series(self.priority).observe(emitted)
 
     def inputs_stripped(self, kind: str, names: Iterable[str]) -> None:
         kind = bounded(kind, STRIP_KINDS)

@@ -327,6 +327,11 @@ def _reset_code(stream: TunnelStream, error: PylonError) -> int | None:
 
 
 async def _read_bounded(stream: TunnelStream, limit: int, idle_s: float | None) -> bytes:
+    if stream.received_all:  # all in already: no chunk loop and no timer per chunk
+        body = stream.take_received()
+        if len(body) > limit:
+            raise BodyTooLarge(f"request body exceeds {limit} bytes")
+        return body
     chunks: list[bytes] = []
     size = 0
     async for chunk in _body_chunks(stream, idle_s, upstream_started=False):

@@ -1,5 +1,5 @@
-"""One HTTP/1.1 connection to the engine: asyncio streams, h11 for the request, llhttp for the
-response.
+"""One HTTP/1.1 connection to the engine: asyncio streams, the request encoded by
+`pylon.upstream_request`, the response parsed by llhttp.
 
 Strategy: `open_tcp` builds the streams itself (as `asyncio.open_connection`
 does) so the reader is an `UpstreamReader`, which counts what the socket fed
@@ -24,10 +24,10 @@ import ssl
 from collections.abc import AsyncIterable, Awaitable, Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, SupportsIndex, cast
 
-import h11
 import httpx
 
 from pylon.upstream_pool import Origin
+from pylon.upstream_request import BodyFraming, RequestEncodingError, encode_request_head
 from pylon.upstream_response import NEED_DATA, ResponseEvent, ResponseHead, ResponseParser
 
 if TYPE_CHECKING:
@@ -89,14 +89,14 @@ async def open_tcp(host: str, port: int, tls: ssl.SSLContext | None) -> Streams:
 
 
 class UpstreamConnection:
-    """One HTTP/1.1 connection: asyncio streams, and per exchange an h11 state machine that
-    writes the request and a `ResponseParser` that reads the response."""
+    """One HTTP/1.1 connection: asyncio streams, and per exchange the request's `BodyFraming`
+    and a `ResponseParser` that reads the response."""
 
     def __init__(self, origin: Origin, reader: UpstreamReader, writer: asyncio.StreamWriter):
         self.origin = origin
         self._reader = reader
         self._writer = writer
-        self._h11 = h11.Connection(h11.CLIENT)
+        self._body = BodyFraming(0)
         self._response = ResponseParser()
         self._read_bytes = 0
 
@@ -140,7 +140,7 @@ class UpstreamConnection:
     def start_next_cycle(self) -> bool:
         """Ready for another exchange: the request all sent, the response complete, nothing
         after it, and neither side asked to close."""
-        return self._h11.our_state is h11.DONE and self._response.reusable
+        return self._body.complete and self._response.reusable
 
     async def send_request(
         self, request: httpx.Request, *, write_timeout_s: float | None, trace: Trace | None
@@ -152,11 +152,11 @@ class UpstreamConnection:
         is not the outcome, as with httpcore.
         """
         headers, body = _framed(request)
-        self._h11 = h11.Connection(h11.CLIENT)
         self._response = ResponseParser(head_request=request.method == "HEAD")
-        data = self._encode(
-            h11.Request(method=request.method, target=request.url.raw_path, headers=headers)
-        )
+        try:
+            data, self._body = encode_request_head(request.method, request.url.raw_path, headers)
+        except RequestEncodingError as exc:
+            raise httpx.LocalProtocolError(str(exc)) from exc
         if isinstance(body, bytes):
             data += self._send_body(body)
         self._writer.write(data)
@@ -224,13 +224,10 @@ class UpstreamConnection:
         return event
 
     def _send_body(self, chunk: bytes, *, end: bool = True) -> bytes:
-        data = self._encode(h11.Data(data=chunk)) if chunk else b""
-        return data + self._encode(h11.EndOfMessage()) if end else data
-
-    def _encode(self, event: h11.Request | h11.Data | h11.EndOfMessage) -> bytes:
         try:
-            return self._h11.send(event) or b""
-        except h11.LocalProtocolError as exc:
+            data = self._body.encode(chunk)
+            return data + self._body.end() if end else data
+        except RequestEncodingError as exc:
             raise httpx.LocalProtocolError(str(exc)) from exc
 
     async def _drain(self, timeout_s: float | None) -> None:
@@ -254,7 +251,7 @@ def describe_os_error(exc: Exception) -> str:
 def _framed(
     request: httpx.Request,
 ) -> tuple[list[tuple[bytes, bytes]], bytes | AsyncIterable[bytes]]:
-    """Headers and body for h11: Content-Length when the headers carry it, else chunked."""
+    """Headers and body to write: Content-Length when the headers carry it, else chunked."""
     headers = request.headers.raw
     stream = request.stream
     body: bytes | AsyncIterable[bytes]

@@ -1,9 +1,10 @@
-"""httpx's transport for the engine: HTTP/1.1 over asyncio streams (h11 writes, llhttp reads).
+"""httpx's transport for the engine: HTTP/1.1 over asyncio streams (`pylon.upstream_request`
+writes, llhttp reads).
 
 Strategy: Pylon keeps `httpx.AsyncClient` as its client API and plugs this in
 through httpx's documented `AsyncBaseTransport`. One exchange is: take a
 connection from the `KeepAlivePool` (or a slot to open one), write the request
-with h11, read until the response head, and hand httpx a body stream that
+(`pylon.upstream_request`), read until the response head, and hand httpx a body stream that
 yields each body chunk as the socket read it, with no re-buffering. A
 connection returns to the pool only after both messages were complete;
 anything else (early close, an error, cancellation at any await) closes it, so

@@ -15,6 +15,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 from backends.registry import build_adapter
@@ -27,7 +28,7 @@ from pylon.service import TunnelService
 from tests.harness import CHAT, eventually, run
 from tests.test_upstream_transport import Engine, Exchange, ok
 from tunnel.stream import TunnelStream
-from tunnel.types import HeaderList, RequestHead
+from tunnel.types import HeaderList, RequestHead, StreamAborted
 
 BODY = b'{"model": "mock-model", "messages": [{"role": "user", "content": "hi"}]}'
 
@@ -116,8 +117,22 @@ def test_body_received_before_the_handler_goes_with_content_length() -> None:
             exchange = assert_answered(owner, engine)
         assert exchange.header(b"content-length") == str(len(BODY)).encode()
         assert exchange.header(b"transfer-encoding") is None
+        assert owner.consumed == len(BODY)  # the gateway gets its flow-control credit back
 
     run(scenario())
+
+
+def test_taking_a_received_body_takes_it_once_and_fails_on_a_reset_stream() -> None:
+    owner = Owner()
+    stream = chat_stream(owner)
+    stream.feed(b"ab", end=False)
+    stream.feed(b"cd", end=True)
+    assert stream.take_received() == b"abcd"
+    assert stream.take_received() == b""
+    assert owner.consumed == 4
+    stream.abort(0x10C)
+    with pytest.raises(StreamAborted):
+        stream.take_received()
 
 
 def test_body_still_arriving_is_streamed_chunked() -> None:

@@ -109,6 +109,17 @@ class TunnelStream:
         self._owner.stream_consumed(self.stream_id, len(chunk))
         return chunk
 
+    def take_received(self) -> bytes:
+        """Every body byte received and not yet read, at once (no wait, no timer): for a
+        handler that found `received_all` set, as most small requests are."""
+        if self._aborted is not None:
+            raise self._aborted
+        body = b"".join(self._chunks)
+        self._chunks.clear()
+        if body:
+            self._owner.stream_consumed(self.stream_id, len(body))
+        return body
+
     def send_head(self, status: int, headers: HeaderList, *, end: bool = False) -> None:
         self._check_open()
         self._owner.stream_send_headers(
