@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import gc
 import logging
 import socket
 import sys
@@ -301,7 +300,6 @@ async def serve_until_signalled(
 ) -> int:
     """Serve until SIGTERM/SIGINT, then drain; a second signal stops at once."""
     pylon = await start_pylon(settings, tunnel_socket=tunnel_socket)
-    settle_garbage_collector()
     signals = ShutdownSignals()
     on_started(pylon)
     try:
@@ -317,28 +315,6 @@ async def serve_until_signalled(
         return 0
     finally:
         await pylon.close()
-
-
-YOUNG_COLLECTION_ALLOCATIONS = 20_000
-"""Allocations between collections of the youngest generation (CPython's default is 700).
-
-A request allocates hundreds of short-lived objects, nearly all freed by
-reference counting; each collection still walks every young object alive at
-that moment. Collecting every 20,000 allocations instead of every 700
-walked less in total (docs/performance.md); the cycles it leaves waiting
-are a few MiB at most."""
-
-
-def settle_garbage_collector() -> None:
-    """Once started: keep the start-up heap out of every later collection, collect less often.
-
-    `gc.freeze` moves the ~60,000 objects of imports and configuration into
-    the permanent generation, so full collections walk only what serving made.
-    """
-    gc.collect()
-    gc.freeze()
-    _, middle, oldest = gc.get_threshold()
-    gc.set_threshold(YOUNG_COLLECTION_ALLOCATIONS, middle, oldest)
 
 
 def run_event_loop(main: Coroutine[Any, Any, T], *, choice: str) -> T:

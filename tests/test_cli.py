@@ -4,7 +4,6 @@ README's main job (`pylon serve --dev` then `pylon call`) works as real processe
 from __future__ import annotations
 
 import asyncio
-import gc
 import os
 import re
 import subprocess
@@ -15,14 +14,7 @@ import pytest
 from pydantic import ValidationError
 
 from pylon.app import StartupError
-from pylon.cli import (
-    SERVE_FLAGS,
-    YOUNG_COLLECTION_ALLOCATIONS,
-    build_parser,
-    overrides_from,
-    run_event_loop,
-    settle_garbage_collector,
-)
+from pylon.cli import SERVE_FLAGS, build_parser, overrides_from, run_event_loop
 from pylon.config import Settings, load_settings
 
 PYLON = [sys.executable, "-m", "pylon.cli"]
@@ -281,14 +273,3 @@ def test_call_presents_a_client_certificate_to_an_mtls_pylon(tmp_path: Path) -> 
         finally:
             server.terminate()
             server.wait(timeout=30)
-
-
-def test_once_serving_the_start_up_heap_is_frozen_and_young_collections_are_rarer() -> None:
-    threshold = gc.get_threshold()
-    try:
-        settle_garbage_collector()
-        assert gc.get_freeze_count() > 0
-        assert gc.get_threshold() == (YOUNG_COLLECTION_ALLOCATIONS, *threshold[1:])
-    finally:
-        gc.unfreeze()
-        gc.set_threshold(*threshold)
