@@ -152,3 +152,35 @@ def test_body_still_arriving_is_streamed_chunked() -> None:
         assert exchange.header(b"content-length") is None
 
     run(scenario())
+
+
+def test_receiving_takes_every_queued_chunk_at_once_and_credits_them_together() -> None:
+    async def scenario() -> None:
+        owner = Owner()
+        stream = chat_stream(owner)
+        for chunk in (b"ab", b"cd", b"ef"):
+            stream.feed(chunk, end=False)
+        assert await stream.receive() == b"abcdef"
+        assert owner.consumed == 6
+        waiting = asyncio.ensure_future(stream.receive())
+        await asyncio.sleep(0)
+        assert not waiting.done()  # nothing queued: it waits for the next DATA
+        stream.feed(b"g", end=False)
+        stream.feed(b"h", end=True)
+        assert await waiting == b"gh"
+        assert await stream.receive() == b""
+        assert owner.consumed == 8
+
+    run(scenario())
+
+
+def test_receiving_on_a_reset_stream_fails_even_with_chunks_queued() -> None:
+    async def scenario() -> None:
+        owner = Owner()
+        stream = chat_stream(owner)
+        stream.feed(b"ab", end=False)
+        stream.abort(0x10C)
+        with pytest.raises(StreamAborted):
+            await stream.receive()
+
+    run(scenario())

@@ -97,7 +97,13 @@ class TunnelStream:
     # --- the handler's side -------------------------------------------------------
 
     async def receive(self) -> bytes:
-        """Next chunk of the request body; b"" once the body is complete."""
+        """Every request body byte received and not yet read (at least one), waiting for
+        some if none is; b"" once the body is complete.
+
+        All that is queued at once, not a datagram's worth: an upload arrives in
+        bursts of datagrams, and each read costs the handler a wake-up, a credit
+        update and an upstream write. The receive window bounds what is queued.
+        """
         while not self._chunks:
             if self._aborted is not None:
                 raise self._aborted
@@ -105,9 +111,7 @@ class TunnelStream:
                 return b""
             self._data_ready.clear()
             await self._data_ready.wait()
-        chunk = self._chunks.popleft()
-        self._owner.stream_consumed(self.stream_id, len(chunk))
-        return chunk
+        return self.take_received()
 
     def take_received(self) -> bytes:
         """Every body byte received and not yet read, at once (no wait, no timer): for a
