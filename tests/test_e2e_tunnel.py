@@ -93,6 +93,43 @@ def test_a_small_request_costs_one_datagram_each_way(tmp_path: Path) -> None:
     run(scenario())
 
 
+def test_the_quic_timer_is_re_armed_only_for_an_earlier_deadline(tmp_path: Path) -> None:
+    """Each packet sent or acknowledged moves aioquic's loss deadline later; the
+    timer armed for the earlier deadline stays (tunnel.server.timer_can_stay)."""
+    requests = 20
+
+    async def scenario() -> None:
+        async with stack(tmp_path) as s, s.client() as client:
+            warm = await client.request("POST", CHAT, headers=tunnel_headers("warm"), body=BODY)
+            await warm.read()
+            (protocol,) = s.pylon.tunnel.registry.connections
+            counts = {"transmits": 0, "armed": 0, "late": 0}
+            transmit = protocol.transmit
+
+            def counted_transmit() -> None:
+                timer = protocol._timer
+                transmit()
+                counts["transmits"] += 1
+                counts["armed"] += protocol._timer is not timer and protocol._timer is not None
+                deadline = protocol._quic.get_timer()
+                if deadline is not None and protocol._timer_at is not None:
+                    counts["late"] += protocol._timer_at > deadline
+
+            protocol.transmit = counted_transmit  # type: ignore[method-assign]
+            for index in range(requests):
+                response = await client.request(
+                    "POST", CHAT, headers=tunnel_headers(f"t-{index}"), body=BODY
+                )
+                assert response.status == 200
+                await response.read()
+                await asyncio.sleep(0.005)
+            assert counts["late"] == 0  # never armed past the connection's deadline
+            assert counts["transmits"] >= 2 * requests
+            assert counts["armed"] <= counts["transmits"] // 4, counts
+
+    run(scenario())
+
+
 def test_stream_state_is_freed_on_a_long_lived_connection(tmp_path: Path) -> None:
     """Many requests on one connection (ok, rejected, reset) leave no per-stream state behind."""
 

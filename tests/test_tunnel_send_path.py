@@ -16,10 +16,13 @@ from aioquic.quic.connection import QuicConnection
 from aioquic.quic.events import StreamDataReceived, StreamReset
 from aioquic.quic.logger import QuicLogger
 from aioquic.quic.stream import QuicStream
+from hypothesis import given
+from hypothesis import strategies as st
 
 from bench.sendpath import MemoryPair, connect, open_streams, run_sendpath
 from tunnel.flow import ConsumptionCredit
 from tunnel.send_path import visit_only_busy_streams
+from tunnel.server import timer_can_stay
 
 STREAMS = 48
 ROUNDS = 6
@@ -159,3 +162,17 @@ def test_sendpath_bench_smoke() -> None:
 
     assert sorted(run.hooked for run in runs) == [False, True]
     assert all(run.events > 0 and run.server_cpu_s > 0 for run in runs)
+
+
+times = st.one_of(st.none(), st.floats(min_value=0, max_value=1e6, allow_nan=False))
+
+
+@given(armed_at=times, deadline=times)
+def test_a_timer_stays_only_if_it_fires_no_later_than_the_deadline(
+    armed_at: float | None, deadline: float | None
+) -> None:
+    stays = timer_can_stay(armed_at, deadline)
+    if armed_at is None or deadline is None:
+        assert not stays  # no timer to keep, or none wanted
+    else:
+        assert stays == (armed_at <= deadline)

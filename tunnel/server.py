@@ -72,6 +72,18 @@ def _ignore(reason: str) -> None:
     pass
 
 
+def timer_can_stay(armed_at: float | None, deadline: float | None) -> bool:
+    """Whether a timer armed for `armed_at` may serve the connection's next `deadline`.
+
+    Firing early is harmless: aioquic's `handle_timer` acts only on deadlines
+    that have passed, and the transmit after it arms the timer again. Firing
+    late is not. Each packet sent or acknowledged moves the loss-detection
+    deadline later, so keeping an earlier timer saves a cancel and a new
+    timer (2 to 3 µs on uvloop) on nearly every transmit.
+    """
+    return armed_at is not None and deadline is not None and armed_at <= deadline
+
+
 KEEPALIVE_PING_UID = 0
 """aioquic reports PING acknowledgements by uid; `ping()` waiters use id() values, never 0."""
 
@@ -273,6 +285,24 @@ class TunnelProtocol(QuicConnectionProtocol):
             return
         stream.abort(error_code)
         task.cancel()
+
+    def transmit(self) -> None:
+        """aioquic's transmit, but its timer is re-armed only for an earlier deadline."""
+        self._transmit_task = None
+        transport = self._transport
+        assert transport is not None  # the server hands it over before the first datagram
+        for data, addr in self._quic.datagrams_to_send(now=self._loop.time()):
+            transport.sendto(data, addr)
+        deadline = self._quic.get_timer()
+        if self._timer is not None and not timer_can_stay(self._timer_at, deadline):
+            self._timer.cancel()
+            self._timer = None
+        if self._timer is None:
+            # `_timer_at` stays the time the timer was armed for: aioquic's
+            # `_handle_timer` takes it as the time, so it must never be later.
+            self._timer_at = deadline
+            if deadline is not None:
+                self._timer = self._loop.call_at(deadline, self._handle_timer)
 
     # --- keep-alive -------------------------------------------------------------------
 
