@@ -12,6 +12,7 @@ import pytest
 from aioquic.h3.connection import ErrorCode
 
 from tests.harness import CHAT, eventually, run, stack, tunnel_headers
+from tunnel.client import H3Client
 from tunnel.server import TunnelOptions
 from tunnel.types import StreamAborted
 
@@ -53,6 +54,17 @@ def test_malformed_stream_is_reset_and_connection_keeps_serving(
     run(scenario())
 
 
+async def requests_one_at_a_time(client: H3Client, count: int) -> None:
+    """Small requests in turn, each answered 200, with a pause for the client's ACK."""
+    for index in range(count):
+        response = await client.request(
+            "POST", CHAT, headers=tunnel_headers(f"one-{index}"), body=BODY
+        )
+        assert response.status == 200
+        await response.read()
+        await asyncio.sleep(0.005)
+
+
 def test_a_small_request_costs_one_datagram_each_way(tmp_path: Path) -> None:
     """The request arrives in one datagram and its ACK leaves with the response
     (tunnel.acks), not in a datagram of its own before it."""
@@ -79,13 +91,7 @@ def test_a_small_request_costs_one_datagram_each_way(tmp_path: Path) -> None:
 
             quic.receive_datagram = counted_receive  # type: ignore[method-assign]
             quic.datagrams_to_send = counted_send  # type: ignore[method-assign]
-            for index in range(requests):
-                response = await client.request(
-                    "POST", CHAT, headers=tunnel_headers(f"r-{index}"), body=BODY
-                )
-                assert response.status == 200
-                await response.read()
-                await asyncio.sleep(0.005)  # the client's ACK of the response
+            await requests_one_at_a_time(client, requests)
             # In: the request and the client's ACK. A few spare for a slow machine.
             assert counts["in"] <= 2 * requests + 4
             assert counts["out"] <= requests + 4
@@ -116,13 +122,7 @@ def test_the_quic_timer_is_re_armed_only_for_an_earlier_deadline(tmp_path: Path)
                     counts["late"] += protocol._timer_at > deadline
 
             protocol.transmit = counted_transmit  # type: ignore[method-assign]
-            for index in range(requests):
-                response = await client.request(
-                    "POST", CHAT, headers=tunnel_headers(f"t-{index}"), body=BODY
-                )
-                assert response.status == 200
-                await response.read()
-                await asyncio.sleep(0.005)
+            await requests_one_at_a_time(client, requests)
             assert counts["late"] == 0  # never armed past the connection's deadline
             assert counts["transmits"] >= 2 * requests
             assert counts["armed"] <= counts["transmits"] // 4, counts
