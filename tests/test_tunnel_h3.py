@@ -6,16 +6,20 @@ aioquic's own tests do, so each case is deterministic.
 
 from __future__ import annotations
 
+import itertools
 import ssl
 from collections.abc import Iterable
 from pathlib import Path
 
+import pylsqpack
 import pytest
-from aioquic.h3.connection import H3_ALPN, ErrorCode, H3Connection
+from aioquic.h3.connection import H3_ALPN, ErrorCode, FrameType, H3Connection, encode_frame
 from aioquic.h3.events import DataReceived, H3Event, HeadersReceived
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
-from aioquic.quic.events import QuicEvent, StreamReset
+from aioquic.quic.events import QuicEvent, StreamDataReceived, StreamReset
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pylon.devcert import ensure_dev_certificate
 from tunnel.h3 import RequestMalformed, TunnelH3Connection
@@ -198,3 +202,46 @@ def test_body_data_is_framed_as_aioquic_frames_it(tmp_path: Path) -> None:
     for _ in range(20):
         pair.pump()
     assert bytes(received) == b"".join(chunks)
+
+
+BODY_SPLITS = st.lists(st.integers(min_value=0, max_value=5_000), min_size=1, max_size=12)
+_STREAM_NUMBERS = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def two_servers(tmp_path_factory: pytest.TempPathFactory) -> tuple[H3Connection, H3Connection]:
+    """Two connected servers for the whole module: a handshake per example is slow."""
+    return (
+        Pair(tmp_path_factory.mktemp("fast")).server_h3,
+        Pair(tmp_path_factory.mktemp("reference")).server_h3,
+    )
+
+
+@settings(max_examples=60, deadline=None)
+@given(frame_sizes=BODY_SPLITS, cuts=st.lists(st.integers(min_value=0, max_value=1 << 16)))
+def test_body_fragments_give_the_events_aioquic_gives(
+    two_servers: tuple[H3Connection, H3Connection], frame_sizes: list[int], cuts: list[int]
+) -> None:
+    """The DATA-fragment fast path yields exactly aioquic's events, however the
+    request's frames are cut into stream chunks (splits inside frame headers too)."""
+    fast, reference = two_servers
+    stream_id = 4 * next(_STREAM_NUMBERS)
+    _, header_block = pylsqpack.Encoder().encode(stream_id, GOOD_HEAD)
+    frames = [bytes([index % 251]) * size for index, size in enumerate(frame_sizes)]
+    wire = encode_frame(FrameType.HEADERS, header_block) + b"".join(
+        encode_frame(FrameType.DATA, frame) for frame in frames
+    )
+    points = sorted({cut % (len(wire) + 1) for cut in cuts} | {0, len(wire)})
+    chunks = [wire[start:end] for start, end in itertools.pairwise(points)]
+    events_fast: list[H3Event] = []
+    events_reference: list[H3Event] = []
+    for index, chunk in enumerate(chunks):
+        event = StreamDataReceived(
+            data=chunk, end_stream=index == len(chunks) - 1, stream_id=stream_id
+        )
+        events_fast.extend(fast.handle_event(event))
+        events_reference.extend(H3Connection._receive_stream_data(reference, event))
+    assert events_fast == events_reference
+    body = [event for event in events_fast if isinstance(event, DataReceived)]
+    assert b"".join(event.data for event in body) == b"".join(frames)
+    assert body[-1].stream_ended

@@ -12,7 +12,7 @@ import contextlib
 import socket
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from aioquic.asyncio.server import QuicServer
 from aioquic.h3.connection import H3_ALPN, ErrorCode
@@ -66,10 +66,37 @@ class SingleUseTickets:
         return self._tickets.pop(label, None)
 
 
+SHORT_HEADER_FIXED_BIT = 0x40
+"""RFC 9000 §17.3: a 1-RTT packet's first byte has the long-header bit clear, this one set."""
+
+
+class RoutingQuicServer(QuicServer):
+    """aioquic's server, routing 1-RTT packets to their connection without a header parse.
+
+    After the handshake every datagram of a connection is a short-header packet
+    whose destination connection ID, of the length Pylon issues, starts at its
+    second byte. aioquic parses the whole header into an object for each
+    datagram only to take that ID (1.2 µs of the 37 µs a body datagram
+    costs); the ID is sliced here instead. Anything else (long headers, an
+    unknown ID, a clear fixed bit) takes aioquic's own path, which decides.
+    The connection parses the packet in full either way.
+    """
+
+    def datagram_received(self, data: bytes | str, addr: Any) -> None:
+        datagram = cast(bytes, data)
+        if datagram and datagram[0] & 0xC0 == SHORT_HEADER_FIXED_BIT:
+            cid_length = self._configuration.connection_id_length
+            protocol = self._protocols.get(datagram[1 : 1 + cid_length])
+            if protocol is not None:
+                protocol.datagram_received(data, addr)
+                return
+        super().datagram_received(data, addr)
+
+
 class TunnelServer:
     """A bound HTTP/3 listener; `port` is the real port when 0 was asked for."""
 
-    def __init__(self, server: QuicServer, registry: ConnectionRegistry) -> None:
+    def __init__(self, server: RoutingQuicServer, registry: ConnectionRegistry) -> None:
         self._server = server
         self.registry = registry
 
@@ -110,8 +137,8 @@ async def start_tunnel(
 
     tickets = SingleUseTickets() if options.session_tickets else None
 
-    def create_server() -> QuicServer:
-        return QuicServer(
+    def create_server() -> RoutingQuicServer:
+        return RoutingQuicServer(
             configuration=configuration,
             create_protocol=create_protocol,
             session_ticket_fetcher=tickets.take if tickets else None,
