@@ -245,3 +245,22 @@ def test_body_fragments_give_the_events_aioquic_gives(
     body = [event for event in events_fast if isinstance(event, DataReceived)]
     assert b"".join(event.data for event in body) == b"".join(frames)
     assert body[-1].stream_ended
+
+
+def test_a_body_fragment_skips_the_stream_context_manager(
+    two_servers: tuple[H3Connection, H3Connection], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fast, _ = two_servers
+    stream_id = 4 * next(_STREAM_NUMBERS)
+    _, header_block = pylsqpack.Encoder().encode(stream_id, GOOD_HEAD)
+    start = encode_frame(FrameType.HEADERS, header_block) + encode_frame(FrameType.DATA, b"a" * 100)
+    fast.handle_event(StreamDataReceived(data=start[:-50], end_stream=False, stream_id=stream_id))
+
+    def entered(stream_id: int) -> None:
+        raise AssertionError("context manager entered")
+
+    monkeypatch.setattr(fast, "_get_or_create_stream", entered)
+    events = fast.handle_event(
+        StreamDataReceived(data=b"a" * 20, end_stream=False, stream_id=stream_id)
+    )
+    assert events == [DataReceived(data=b"a" * 20, stream_id=stream_id, stream_ended=False)]

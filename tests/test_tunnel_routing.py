@@ -12,6 +12,8 @@ import asyncio
 import os
 from typing import Any
 
+import aioquic.asyncio.server
+import pytest
 from aioquic.asyncio.server import QuicServer
 from aioquic.quic.configuration import QuicConfiguration
 from hypothesis import given, settings
@@ -79,3 +81,14 @@ def test_a_known_connection_gets_its_short_header_packets() -> None:
     assert route(RoutingQuicServer, datagram) == [("connection-1", datagram)]
     # The long-header bit, or a clear fixed bit, is not a 1-RTT packet: dropped.
     assert route(RoutingQuicServer, short_header(0x00, KNOWN_CIDS[1], b"\x00" * 40)) == []
+
+
+def test_a_known_connection_is_found_without_parsing_the_header(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def no_parse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("header parsed")
+
+    monkeypatch.setattr(aioquic.asyncio.server, "pull_quic_header", no_parse)
+    datagram = short_header(0x40, KNOWN_CIDS[2], b"\x00" * 40)
+    assert route(RoutingQuicServer, datagram) == [("connection-2", datagram)]

@@ -19,7 +19,6 @@ from aioquic.h3.connection import (
     ErrorCode,
     FrameType,
     H3Connection,
-    H3Stream,
     HeadersState,
     MessageError,
     stream_is_request_response,
@@ -37,20 +36,6 @@ class RequestMalformed(H3Event):
 
     stream_id: int
     reason: str
-
-
-def _continues_data_frame(stream: H3Stream, event: StreamDataReceived) -> bool:
-    """True when all of `event` is body bytes inside the request stream's current DATA
-    frame: nothing buffered, the stream not blocked, the frame not ending in it."""
-    return (
-        stream.frame_type == FrameType.DATA
-        and stream.frame_size is not None
-        and len(event.data) < stream.frame_size
-        and not event.end_stream
-        and not stream.buffer
-        and not stream.blocked
-        and not stream_is_unidirectional(event.stream_id)
-    )
 
 
 class TunnelH3Connection(H3Connection):
@@ -89,15 +74,20 @@ class TunnelH3Connection(H3Connection):
         stream = self._stream.get(event.stream_id)
         if (
             stream is not None
-            and stream.frame_size is not None
-            and _continues_data_frame(stream, event)
+            and stream.frame_type == FrameType.DATA
+            and (frame_size := stream.frame_size) is not None
+            and len(event.data) < frame_size
+            and not event.end_stream
+            and not stream.buffer
+            and not stream.blocked
+            and not stream_is_unidirectional(event.stream_id)
         ):
-            # The middle of a request body's DATA frame: aioquic's own shortcut
-            # for it, without the context manager and buffer handling around it
-            # (2 of the 37 µs a body datagram costs).
+            # All of it is body bytes inside the current DATA frame: aioquic's
+            # own shortcut for a fragment, without the context manager it
+            # enters for every chunk before reaching it.
             data = event.data
             stream.content_length += len(data)
-            stream.frame_size = stream.frame_size - len(data)
+            stream.frame_size = frame_size - len(data)
             return [
                 DataReceived(
                     data=data, push_id=stream.push_id, stream_id=event.stream_id, stream_ended=False
