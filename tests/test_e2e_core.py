@@ -203,6 +203,28 @@ def test_bad_tunnel_headers_get_400_and_connection_survives(
     run(scenario())
 
 
+def test_an_early_error_stops_the_upload_and_reaches_the_gateway(tmp_path: Path) -> None:
+    """A 400 sent while the body is still arriving declines the rest of it (STOP_SENDING);
+    the gateway stops sending, reads the 400, and the connection serves the next request."""
+    body = orjson.dumps({"model": "mock-model", "input": "x" * (2 * 1024 * 1024)})
+
+    async def scenario() -> None:
+        async with stack(tmp_path) as s, s.client() as client:
+            no_request_id = [("content-type", "application/json")]
+            response = await client.request(
+                "POST", CHAT, headers=no_request_id, body=body, chunk_size=16 * 1024
+            )
+            error = orjson.loads(await response.read())
+            assert response.status == 400
+            assert error["error"]["code"] == "bad_tunnel_header"
+            assert response.stream_id not in client._declined, "kept after the upload stopped"
+            ok = await client.request("POST", CHAT, headers=tunnel_headers("ok-2"), body=CHAT_BODY)
+            assert ok.status == 200
+            await ok.read()
+
+    run(scenario())
+
+
 def test_slow_reader_keeps_queued_bytes_bounded(tmp_path: Path) -> None:
     """A reader that trickles keeps Pylon's unacknowledged bytes near the cap, not the body size."""
     cap = 256 * 1024

@@ -22,7 +22,12 @@ from aioquic.asyncio.protocol import QuicConnectionProtocol
 from aioquic.h3.connection import H3_ALPN, ErrorCode, H3Connection
 from aioquic.h3.events import DataReceived, H3Event, HeadersReceived
 from aioquic.quic.configuration import QuicConfiguration
-from aioquic.quic.events import ConnectionTerminated, QuicEvent, StreamReset
+from aioquic.quic.events import (
+    ConnectionTerminated,
+    QuicEvent,
+    StopSendingReceived,
+    StreamReset,
+)
 
 from tunnel.flow import ConsumptionCredit
 from tunnel.types import HeaderList, StreamAborted
@@ -79,6 +84,9 @@ class H3Client(QuicConnectionProtocol):
         """One credit per window size; each limits only the streams it tracks."""
         self._stream_credits: dict[int, ConsumptionCredit] = {}
         self._default_window: int | None = None
+        self._declined: set[int] = set()
+        """Streams whose rest of the body the server declined (STOP_SENDING), e.g. after an
+        early error response: sending more would be an HTTP/3 protocol error."""
 
     def limit_receive_window(self, window_bytes: int) -> None:
         """Grant response credit only as the caller reads: makes a slow reader really slow.
@@ -114,6 +122,8 @@ class H3Client(QuicConnectionProtocol):
         elif isinstance(event, ConnectionTerminated):
             for stream_id in list(self._bodies):
                 self._fail(stream_id, StreamAborted(event.error_code))
+        elif isinstance(event, StopSendingReceived):
+            self._declined.add(event.stream_id)
         for h3_event in self._h3.handle_event(event):
             self._h3_event_received(h3_event)
 
@@ -155,6 +165,7 @@ class H3Client(QuicConnectionProtocol):
         self._forget_credit(stream_id)
         self._bodies.pop(stream_id, None)
         self._heads.pop(stream_id, None)
+        self._declined.discard(stream_id)
         with contextlib.suppress(Exception):
             self._quic.reset_stream(stream_id, ErrorCode.H3_REQUEST_CANCELLED)
             self._quic.stop_stream(stream_id, ErrorCode.H3_REQUEST_CANCELLED)
@@ -205,9 +216,15 @@ class H3Client(QuicConnectionProtocol):
             receive_window_bytes=receive_window_bytes,
         )
 
-    def send_body(self, stream_id: int, data: bytes, *, end: bool) -> None:
+    def send_body(self, stream_id: int, data: bytes, *, end: bool) -> bool:
+        """Send more of the request body; False, sending nothing, once the server declined it."""
+        if stream_id in self._declined:
+            if end:
+                self._declined.discard(stream_id)
+            return False
         self._h3.send_data(stream_id, data, end_stream=end)
         self.transmit()
+        return True
 
     async def response(self, stream_id: int) -> ClientResponse:
         head, queue = self._responses.pop(stream_id)
@@ -242,13 +259,18 @@ class H3Client(QuicConnectionProtocol):
     async def send_rest_paced(self, stream_id: int, body: bytes, *, chunk_size: int) -> None:
         """Send `body` after its first `chunk_size` bytes, which `open_request_with_body` sent.
 
-        One chunk per loop pass, so a large upload does not hold the loop.
+        One chunk per loop pass, so a large upload does not hold the loop. Stops
+        early when the server declines the rest (it answered before reading it all).
         """
         view = memoryview(body)
-        for offset in range(chunk_size, len(body), chunk_size):
-            await asyncio.sleep(0)
-            chunk = bytes(view[offset : offset + chunk_size])
-            self.send_body(stream_id, chunk, end=offset + chunk_size >= len(body))
+        try:
+            for offset in range(chunk_size, len(body), chunk_size):
+                await asyncio.sleep(0)
+                chunk = bytes(view[offset : offset + chunk_size])
+                if not self.send_body(stream_id, chunk, end=offset + chunk_size >= len(body)):
+                    return
+        finally:
+            self._declined.discard(stream_id)
 
 
 def client_configuration(
