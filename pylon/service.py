@@ -309,8 +309,7 @@ async def _body_chunks(
     """The request body; BodyIdleTimeout once the gateway sends nothing for `idle_s`."""
     while True:
         try:
-            async with asyncio.timeout(idle_s):
-                chunk = await stream.receive()
+            chunk = await stream.receive(idle_s)
         except TimeoutError:
             message = f"no request body bytes for {idle_s} s"
             raise BodyIdleTimeout(message, upstream_started=upstream_started) from None

@@ -111,3 +111,23 @@ def test_streams_and_uploads_survive_packet_loss(
             print(f"loss {rate:.0%}: {loss}")
 
     run(scenario(), timeout_s=100)
+
+
+def test_uploads_through_a_small_request_window_survive_packet_loss(tmp_path: Path) -> None:
+    """Body reads wait for a batch (a quarter of the window); with losses, a gap can
+    leave the peer blocked short of one, and flow control must hand the read over."""
+
+    async def scenario() -> None:
+        async with stack(tmp_path, limits={"request_window_bytes": 16 * 1024}) as s:
+            loss = Loss(rate=0.10, seed=11)
+            configuration = client_configuration(verify=False)
+            async with open_lossy_client(
+                "127.0.0.1", s.pylon.port, configuration=configuration, loss=loss
+            ) as client:
+                jobs: list[Callable[[], Awaitable[None]]] = [
+                    partial(uploaded, client, s, index, 96 * 1024) for index in range(6)
+                ]
+                await bounded_gather(jobs)
+            assert loss.dropped_out > 0, "no loss was injected"
+
+    run(scenario(), timeout_s=100)

@@ -87,10 +87,16 @@ async def service_for(url: str) -> AsyncIterator[TunnelService]:
         await transport.aclose()  # before the engine waits for its connections to close
 
 
-def chat_stream(owner: Owner) -> TunnelStream:
+def chat_stream(owner: Owner, *, read_batch_bytes: int = 4) -> TunnelStream:
     headers = ((b"content-type", b"application/json"), (b"x-request-id", b"frame-1"))
     head = RequestHead(method="POST", scheme="https", authority="pylon", path=CHAT, headers=headers)
-    return TunnelStream(stream_id=0, head=head, owner=owner, max_queued_bytes=1 << 20)
+    return TunnelStream(
+        stream_id=0,
+        head=head,
+        owner=owner,
+        max_queued_bytes=1 << 20,
+        read_batch_bytes=read_batch_bytes,
+    )
 
 
 def assert_answered(owner: Owner, engine: Engine) -> Exchange:
@@ -154,22 +160,65 @@ def test_body_still_arriving_is_streamed_chunked() -> None:
     run(scenario())
 
 
-def test_receiving_takes_every_queued_chunk_at_once_and_credits_them_together() -> None:
+def test_receiving_takes_a_batch_at_once_and_credits_it_together() -> None:
     async def scenario() -> None:
         owner = Owner()
-        stream = chat_stream(owner)
-        for chunk in (b"ab", b"cd", b"ef"):
+        stream = chat_stream(owner, read_batch_bytes=6)
+        waiting = asyncio.ensure_future(stream.receive())
+        for chunk in (b"ab", b"cd"):
             stream.feed(chunk, end=False)
-        assert await stream.receive() == b"abcdef"
+            await asyncio.sleep(0)
+            assert not waiting.done()  # short of a batch: it waits for more
+        stream.feed(b"ef", end=False)
+        assert await waiting == b"abcdef"
         assert owner.consumed == 6
         waiting = asyncio.ensure_future(stream.receive())
-        await asyncio.sleep(0)
-        assert not waiting.done()  # nothing queued: it waits for the next DATA
         stream.feed(b"g", end=False)
-        stream.feed(b"h", end=True)
+        await asyncio.sleep(0)
+        assert not waiting.done()
+        stream.feed(b"h", end=True)  # the end hands over the rest, short of a batch
         assert await waiting == b"gh"
         assert await stream.receive() == b""
         assert owner.consumed == 8
+
+    run(scenario())
+
+
+def test_a_stalled_peer_gets_what_is_buffered_read_short_of_a_batch() -> None:
+    async def scenario() -> None:
+        owner = Owner()
+        stream = chat_stream(owner, read_batch_bytes=1 << 20)
+        stream.hand_over()  # nothing buffered: nothing to hand over
+        waiting = asyncio.ensure_future(stream.receive())
+        await asyncio.sleep(0)
+        assert not waiting.done()
+        stream.feed(b"abc", end=False)
+        await asyncio.sleep(0)
+        assert not waiting.done()
+        stream.hand_over()  # what flow control does once the peer cannot send more
+        assert await waiting == b"abc"
+        assert owner.consumed == 3
+
+    run(scenario())
+
+
+def test_a_trickling_body_is_read_once_idle_and_then_times_out() -> None:
+    async def scenario() -> None:
+        owner = Owner()
+        stream = chat_stream(owner, read_batch_bytes=1 << 20)
+        idle_s = 0.2
+        waiting = asyncio.ensure_future(stream.receive(idle_s))
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        for chunk in (b"ab", b"cd", b"ef"):  # each within idle_s of the one before
+            await asyncio.sleep(idle_s / 2)
+            stream.feed(chunk, end=False)
+        assert not waiting.done()
+        # Idle from the last byte on: the read returns what is there, not an error.
+        assert await waiting == b"abcdef"
+        assert loop.time() - started >= 1.5 * idle_s + idle_s * 0.9
+        with pytest.raises(TimeoutError):
+            await stream.receive(idle_s)  # nothing more came: now it is idle
 
     run(scenario())
 

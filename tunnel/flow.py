@@ -18,6 +18,7 @@ against the aioquic version the project locks.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from aioquic.quic.connection import QuicConnection
@@ -39,9 +40,17 @@ def unacked_send_bytes(quic: QuicConnection, stream_id: int) -> int:
 class ConsumptionCredit:
     """Grants receive credit on tracked streams only as the application consumes data."""
 
-    def __init__(self, quic: QuicConnection, *, window_bytes: int) -> None:
+    def __init__(
+        self,
+        quic: QuicConnection,
+        *,
+        window_bytes: int,
+        on_stalled: Callable[[int], None] = lambda stream_id: None,
+    ) -> None:
         self._quic = quic
         self._window_bytes = window_bytes
+        self._on_stalled = on_stalled
+        """Told a stream whose peer is blocked until the application reads more."""
         self._unread: dict[int, int] = {}
         self._default_write_stream_limits = quic._write_stream_limits
         quic._write_stream_limits = self._write_stream_limits  # type: ignore[method-assign]
@@ -82,6 +91,10 @@ class ConsumptionCredit:
         step = target - stream.max_stream_data_local
         if step >= self._window_bytes // 2 or (peer_blocked and step > 0):
             stream.max_stream_data_local = target
+        elif peer_blocked and unread:
+            # No credit until the application reads: an application that reads in
+            # batches must take what it has (behind a gap, less than a batch).
+            self._on_stalled(stream.stream_id)
         if stream.max_stream_data_local_sent == stream.max_stream_data_local:
             return
         buf = builder.start_frame(

@@ -50,7 +50,7 @@ from tunnel.limits import (
     stream_over_limit,
 )
 from tunnel.send_path import visit_only_busy_streams
-from tunnel.stream import Handler, TunnelStream
+from tunnel.stream import READ_BATCH_BYTES, Handler, TunnelStream
 from tunnel.tls import ClientAuth, peer_identity, require_client_certificate
 from tunnel.types import HeaderList, MalformedRequest
 from tunnel.validation import parse_request_head
@@ -110,6 +110,12 @@ class TunnelOptions:
     session_tickets: bool = False
     """Issue single-use resumption tickets, which lets clients send 0-RTT early data."""
 
+    @property
+    def read_batch_bytes(self) -> int:
+        """What a request body read waits for: at most a quarter of the window, so the
+        peer, which may send half a window ahead of the reads, always reaches it."""
+        return min(READ_BATCH_BYTES, self.request_window_bytes // 4)
+
 
 class TunnelProtocol(QuicConnectionProtocol):
     def __init__(
@@ -125,7 +131,9 @@ class TunnelProtocol(QuicConnectionProtocol):
         self._options = options
         self._registry = registry
         self._h3: TunnelH3Connection | None = None
-        self._credit = ConsumptionCredit(self._quic, window_bytes=options.request_window_bytes)
+        self._credit = ConsumptionCredit(
+            self._quic, window_bytes=options.request_window_bytes, on_stalled=self._hand_over
+        )
         visit_only_busy_streams(self._quic)
         delay_acknowledgements(self._quic)
         self.streams: dict[int, TunnelStream] = {}
@@ -219,6 +227,7 @@ class TunnelProtocol(QuicConnectionProtocol):
             head=head,
             owner=self,
             max_queued_bytes=self._options.max_queued_bytes_per_stream,
+            read_batch_bytes=self._options.read_batch_bytes,
             over_limit=stream_over_limit(
                 self._options.limits,
                 on_connection=len(self.streams),
@@ -232,6 +241,11 @@ class TunnelProtocol(QuicConnectionProtocol):
         self.streams[stream_id] = stream
         task = asyncio.ensure_future(self._run_handler(stream))
         self._tasks[stream_id] = task
+
+    def _hand_over(self, stream_id: int) -> None:
+        stream = self.streams.get(stream_id)
+        if stream is not None:
+            stream.hand_over()
 
     def _refuse_oversized_head(self, h3: TunnelH3Connection, stream_id: int) -> None:
         """Reset a stream whose HEADERS frame is too large to buffer (see `tunnel.limits`)."""

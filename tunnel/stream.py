@@ -12,6 +12,7 @@ False), or gives up with `reset()`. A peer reset cancels the handler's task
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from enum import StrEnum
@@ -33,6 +34,10 @@ class StreamOwner(Protocol):
     def stream_awaits_drain(self, stream: TunnelStream) -> None: ...
 
 
+READ_BATCH_BYTES = 256 * 1024
+"""Request body bytes a read waits for, short of the body's end (see `receive`)."""
+
+
 class StreamLimit(StrEnum):
     """A concurrency limit a new stream arrived over; the handler must refuse it."""
 
@@ -48,6 +53,7 @@ class TunnelStream:
         head: RequestHead,
         owner: StreamOwner,
         max_queued_bytes: int,
+        read_batch_bytes: int = READ_BATCH_BYTES,
         over_limit: StreamLimit | None = None,
         early: bool = False,
     ) -> None:
@@ -59,8 +65,13 @@ class TunnelStream:
         """Set when the stream arrived over a concurrency limit (answer it, don't serve it)."""
         self._owner = owner
         self._max_queued_bytes = max_queued_bytes
+        self._read_batch_bytes = read_batch_bytes
         self._chunks: deque[bytes] = deque()
+        self._unread_bytes = 0
         self._received_all = False
+        self._last_arrival = time.monotonic()
+        self._ready = False
+        """A read may return: a batch is in, the body is complete, or `hand_over` asked."""
         self._data_ready = asyncio.Event()
         self._drained = asyncio.Event()
         self._aborted: StreamAborted | None = None
@@ -74,9 +85,21 @@ class TunnelStream:
     def feed(self, data: bytes, *, end: bool) -> None:
         if data:
             self._chunks.append(data)
+            self._unread_bytes += len(data)
             self.body_bytes_received += len(data)
-        self._received_all = self._received_all or end
-        self._data_ready.set()
+            self._last_arrival = time.monotonic()
+        if end:
+            self._received_all = True
+        if end or self._unread_bytes >= self._read_batch_bytes:
+            self._ready = True
+            self._data_ready.set()
+
+    def hand_over(self) -> None:
+        """Let the reader take what is buffered now, short of a batch: the peer can send
+        no more until it does (flow control, see `flow.py`)."""
+        if self._chunks:
+            self._ready = True
+            self._data_ready.set()
 
     def abort(self, error_code: int) -> None:
         self._aborted = StreamAborted(error_code)
@@ -96,21 +119,36 @@ class TunnelStream:
 
     # --- the handler's side -------------------------------------------------------
 
-    async def receive(self) -> bytes:
-        """Every request body byte received and not yet read (at least one), waiting for
-        some if none is; b"" once the body is complete.
+    async def receive(self, idle_s: float | None = None) -> bytes:
+        """Request body bytes received and not yet read, a batch at a time; b"" once the
+        body is complete. TimeoutError once the peer has sent nothing for `idle_s`.
 
-        All that is queued at once, not a datagram's worth: an upload arrives in
-        bursts of datagrams, and each read costs the handler a wake-up, a credit
-        update and an upstream write. The receive window bounds what is queued.
+        A read returns once `read_batch_bytes` are in (or the rest of the body), not
+        per datagram: each read costs the handler a wake-up, a timer, a credit update
+        and an upstream write, and a 1 MiB upload is some 900 datagrams. A body that
+        trickles in is not held back for long: after `idle_s` without a byte the read
+        returns what is there, and the next one times out. The idle time counts from
+        the last byte or from the call, whichever is later, since the peer cannot
+        send while the handler is not reading.
         """
-        while not self._chunks:
+        called = time.monotonic()
+        while not self._ready:
             if self._aborted is not None:
                 raise self._aborted
-            if self._received_all:
-                return b""
             self._data_ready.clear()
-            await self._data_ready.wait()
+            if idle_s is None:
+                await self._data_ready.wait()
+                continue
+            remaining = max(self._last_arrival, called) + idle_s - time.monotonic()
+            if remaining <= 0:
+                if self._chunks:
+                    break
+                raise TimeoutError(f"no request body bytes for {idle_s} s")
+            try:
+                async with asyncio.timeout(remaining):
+                    await self._data_ready.wait()
+            except TimeoutError:
+                pass  # bytes may have come in meanwhile: the loop looks again
         return self.take_received()
 
     def take_received(self) -> bytes:
@@ -120,6 +158,8 @@ class TunnelStream:
             raise self._aborted
         body = b"".join(self._chunks)
         self._chunks.clear()
+        self._unread_bytes = 0
+        self._ready = self._received_all
         if body:
             self._owner.stream_consumed(self.stream_id, len(body))
         return body
