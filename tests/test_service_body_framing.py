@@ -217,8 +217,27 @@ def test_a_trickling_body_is_read_once_idle_and_then_times_out() -> None:
         # Idle from the last byte on: the read returns what is there, not an error.
         assert await waiting == b"abcdef"
         assert loop.time() - started >= 1.5 * idle_s + idle_s * 0.9
-        with pytest.raises(TimeoutError):
-            await stream.receive(idle_s)  # nothing more came: now it is idle
+        # Nothing more came: the silence already lasted idle_s, so the next read
+        # fails at once rather than restarting the clock.
+        with pytest.raises(TimeoutError, match="no request body bytes"):
+            await asyncio.wait_for(stream.receive(idle_s), timeout=idle_s / 2)
+
+    run(scenario())
+
+
+def test_a_byte_after_an_idle_read_restarts_the_idle_clock() -> None:
+    async def scenario() -> None:
+        owner = Owner()
+        stream = chat_stream(owner, read_batch_bytes=1 << 20)
+        idle_s = 0.2
+        stream.feed(b"ab", end=False)
+        assert await stream.receive(idle_s) == b"ab"  # returned on the idle clock
+        stream.feed(b"cd", end=False)
+        waiting = asyncio.ensure_future(stream.receive(idle_s))
+        await asyncio.sleep(idle_s / 2)
+        assert not waiting.done()  # idle counts from "cd", not from before it
+        stream.feed(b"ef", end=True)
+        assert await waiting == b"cdef"
 
     run(scenario())
 

@@ -70,6 +70,8 @@ class TunnelStream:
         self._unread_bytes = 0
         self._received_all = False
         self._last_arrival = time.monotonic()
+        self._idle_since_last_arrival = False
+        """The last read returned on the idle clock; no byte has come since."""
         self._ready = False
         """A read may return: a batch is in, the body is complete, or `hand_over` asked."""
         self._data_ready = asyncio.Event()
@@ -88,6 +90,7 @@ class TunnelStream:
             self._unread_bytes += len(data)
             self.body_bytes_received += len(data)
             self._last_arrival = time.monotonic()
+            self._idle_since_last_arrival = False
         if end:
             self._received_all = True
         if end or self._unread_bytes >= self._read_batch_bytes:
@@ -127,9 +130,11 @@ class TunnelStream:
         per datagram: each read costs the handler a wake-up, a timer, a credit update
         and an upstream write, and a 1 MiB upload is some 900 datagrams. A body that
         trickles in is not held back for long: after `idle_s` without a byte the read
-        returns what is there, and the next one times out. The idle time counts from
-        the last byte or from the call, whichever is later, since the peer cannot
-        send while the handler is not reading.
+        returns what is there, and the next one times out unless a byte comes first.
+        The idle time counts from the last byte or from the call, whichever is later,
+        since the peer may be held by flow control while the handler is not reading;
+        after a read that returned on the idle clock, from the last byte only: the
+        peer had credit and was silent, and the clock must not restart.
         """
         called = time.monotonic()
         while not self._ready:
@@ -139,9 +144,13 @@ class TunnelStream:
             if idle_s is None:
                 await self._data_ready.wait()
                 continue
-            remaining = max(self._last_arrival, called) + idle_s - time.monotonic()
+            since = self._last_arrival
+            if not self._idle_since_last_arrival:
+                since = max(since, called)
+            remaining = since + idle_s - time.monotonic()
             if remaining <= 0:
                 if self._chunks:
+                    self._idle_since_last_arrival = True
                     break
                 raise TimeoutError(f"no request body bytes for {idle_s} s")
             try:
