@@ -38,6 +38,7 @@ from pylon.tracing import Tracing, TracingUnavailable, build_tracing
 from tunnel.limits import TunnelLimits
 from tunnel.listener import TunnelServer, start_tunnel
 from tunnel.server import TunnelOptions
+from tunnel.steering import ConnectionIdSteering
 
 logger = logging.getLogger("pylon")
 
@@ -146,11 +147,13 @@ async def start_pylon(
     probe_interval_s: float = PROBE_INTERVAL_S,
     tracer_provider: Any = None,
     tunnel_socket: socket.socket | None = None,
+    steering: ConnectionIdSteering | None = None,
 ) -> RunningPylon:
     """Start every part; `tracer_provider` lets tests collect spans in memory.
 
     `tunnel_socket` is a worker's bound socket of the port's SO_REUSEPORT group
-    (`pylon.supervisor`); without it the tunnel binds `settings.listen`.
+    (`pylon.supervisor`), and `steering` its place in the group; without them
+    the tunnel binds `settings.listen` and issues random connection IDs.
     """
     registry = registry if registry is not None else CollectorRegistry()
     configuration = quic_configuration(settings)
@@ -186,7 +189,13 @@ async def start_pylon(
             auth=auth,
         )
         tunnel = await _start_listener(
-            settings, configuration, service, auth=auth, metrics=metrics, sock=tunnel_socket
+            settings,
+            configuration,
+            service,
+            auth=auth,
+            metrics=metrics,
+            sock=tunnel_socket,
+            steering=steering,
         )
         stack.callback(tunnel.close)
         readiness = Readiness(listener_up=True)
@@ -253,6 +262,7 @@ async def _start_listener(
     auth: TunnelAuth,
     metrics: Metrics,
     sock: socket.socket | None,
+    steering: ConnectionIdSteering | None,
 ) -> TunnelServer:
     host, port = split_host_port(settings.listen)
     limits = settings.limits
@@ -276,6 +286,7 @@ async def _start_listener(
             session_tickets=settings.security.enable_0rtt,
             on_connection_refused=metrics.connection_refused,
             on_stream_refused=metrics.request_rejected,
+            steering=steering,
         ),
         sock=sock,
     )

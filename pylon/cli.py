@@ -27,6 +27,7 @@ from pylon.config import Settings, load_settings, split_host_port
 from pylon.logs import configure_logging
 from pylon.signals import SecondSignal, ShutdownSignals
 from pylon.supervisor import RunningSupervisor, supervise_until_signalled
+from tunnel.steering import ConnectionIdSteering
 
 logger = logging.getLogger("pylon")
 T = TypeVar("T")
@@ -297,9 +298,10 @@ async def serve_until_signalled(
     *,
     on_started: Callable[[RunningPylon], None],
     tunnel_socket: socket.socket | None = None,
+    steering: ConnectionIdSteering | None = None,
 ) -> int:
     """Serve until SIGTERM/SIGINT, then drain; a second signal stops at once."""
-    pylon = await start_pylon(settings, tunnel_socket=tunnel_socket)
+    pylon = await start_pylon(settings, tunnel_socket=tunnel_socket, steering=steering)
     signals = ShutdownSignals()
     on_started(pylon)
     try:

@@ -294,12 +294,19 @@ WORKER_EXITS = ("crashed", "unresponsive")
 class SupervisorMetrics:
     """The supervisor's own series (`workers > 1`), merged into /metrics with the workers'."""
 
-    def __init__(self, registry: CollectorRegistry, *, configured_workers: int) -> None:
+    def __init__(
+        self, registry: CollectorRegistry, *, configured_workers: int, steered: bool
+    ) -> None:
         self._registry = registry
         self.workers = Gauge(
             "pylon_workers", "Worker processes configured (--workers).", registry=registry
         )
         self.workers.set(configured_workers)
+        Gauge(
+            "pylon_workers_steered",
+            "1 when packets find their worker by connection ID, 0 when by address hash.",
+            registry=registry,
+        ).set(int(steered))
         self.restarts = Counter(
             "pylon_worker_restarts_total",
             "Worker processes restarted, by why the previous one ended.",

@@ -4,14 +4,18 @@ One asyncio process tops out at one core, and a busy GPU node's tunnel
 traffic needs more (docs/performance.md). The supervisor binds `workers` UDP
 sockets on the tunnel port, one SO_REUSEPORT group, and starts `workers`
 copies of Pylon (`pylon.worker`), each with its own event loop serving one of
-those sockets: the kernel hashes each datagram's 4-tuple to one socket of the
-group, so a gateway connection stays on the worker that accepted it for as
-long as the gateway's address does not change.
+those sockets. A BPF program on the group picks each datagram's socket from
+its destination connection ID, and each worker issues IDs that pick its own
+socket (`tunnel.steering`), so a gateway connection stays on the worker that
+accepted it even when the gateway's address changes. Where the kernel
+refuses the program, the group falls back to the kernel's hash of each
+datagram's addresses, which keeps a connection in place only while the
+gateway's address stays the same.
 
 The supervisor keeps every socket of the group open, and a restarted worker
 gets the same socket again. The group never changes while Pylon runs, so
-neither does the kernel's hash: a worker's crash or restart moves no
-connection of another worker. (Were each worker to bind its own socket, the
+neither does the socket each datagram reaches: a worker's crash or restart
+moves no connection of another worker. (Were each worker to bind its own socket, the
 group would shrink and regrow around a restart, and the kernel would map the
 other workers' connections to different sockets, which then drop them as
 unknown.) Datagrams that reach a dead worker's socket wait in its receive
@@ -59,6 +63,7 @@ from pylon.config import Settings, TlsSettings, split_host_port
 from pylon.metrics import SupervisorMetrics
 from pylon.metrics_merge import merge_expositions, render
 from pylon.signals import SecondSignal, ShutdownSignals
+from tunnel.steering import ConnectionIdSteering, attach_reuseport_program
 
 __all__ = [
     "PoolTiming",
@@ -119,10 +124,18 @@ class Worker:
 
 
 async def spawn_worker(
-    index: int, settings: Settings, tunnel_socket: socket.socket, *, ready_timeout_s: float
+    steering: ConnectionIdSteering,
+    settings: Settings,
+    tunnel_socket: socket.socket,
+    *,
+    ready_timeout_s: float,
 ) -> Worker:
-    """Start `python -m pylon.worker` on `tunnel_socket` and wait for its ready line."""
-    payload = worker_payload(settings, supervisor_pid=os.getpid(), tunnel_fd=tunnel_socket.fileno())
+    """Start `python -m pylon.worker` on `tunnel_socket`, the group's socket number
+    `steering.index`, and wait for its ready line."""
+    index = steering.index
+    payload = worker_payload(
+        settings, supervisor_pid=os.getpid(), tunnel_fd=tunnel_socket.fileno(), steering=steering
+    )
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
@@ -262,7 +275,7 @@ class WorkerPool:
 
     async def _spawn(self, index: int) -> Worker:
         return await spawn_worker(
-            index,
+            ConnectionIdSteering(index, len(self._tunnel_sockets)),
             self._settings,
             self._tunnel_sockets[index],
             ready_timeout_s=self._timing.ready_timeout_s,
@@ -387,21 +400,27 @@ class RunningSupervisor:
         await self._cleanup.aclose()
 
 
-def worker_payload(settings: Settings, *, supervisor_pid: int, tunnel_fd: int) -> bytes:
+def worker_payload(
+    settings: Settings, *, supervisor_pid: int, tunnel_fd: int, steering: ConnectionIdSteering
+) -> bytes:
     """What `pylon.worker` reads on stdin."""
     return json.dumps(
         {
             "supervisor_pid": supervisor_pid,
             "tunnel_fd": tunnel_fd,
+            "worker_index": steering.index,
+            "worker_count": steering.count,
             "settings": settings.model_dump(mode="json"),
         }
     ).encode()
 
 
 def bind_tunnel_sockets(host: str, port: int, count: int) -> list[socket.socket]:
-    """`count` UDP sockets on one address, one SO_REUSEPORT group. The first bind
-    fails early if something else holds the port and turns port 0 into the
-    concrete port the others then join."""
+    """`count` UDP sockets on one address, one SO_REUSEPORT group. Socket `i` of
+    the list is socket `i` of the group, the index `tunnel.steering` names,
+    since they join it in that order and none leaves while Pylon runs. The
+    first bind fails early if something else holds the port and turns port 0
+    into the concrete port the others then join."""
     family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
     sockets: list[socket.socket] = []
     try:
@@ -416,6 +435,21 @@ def bind_tunnel_sockets(host: str, port: int, count: int) -> list[socket.socket]
             sock.close()
         raise
     return sockets
+
+
+def steer_by_connection_id(sockets: list[socket.socket]) -> bool:
+    """Attach the steering program to the group; False (and a warning) where the
+    kernel refuses it and the address hash stays in charge."""
+    try:
+        attach_reuseport_program(sockets[0], len(sockets))
+    except OSError as error:
+        logger.warning(
+            "cannot steer the tunnel port by connection ID (%s): a connection whose "
+            "gateway address changes will be lost to another worker",
+            error,
+        )
+        return False
+    return True
 
 
 def worker_settings(
@@ -455,7 +489,11 @@ async def start_supervisor(
         stack.push_async_callback(client.aclose)
         ProcessCollector(registry=registry)
         PlatformCollector(registry=registry)
-        metrics = SupervisorMetrics(registry, configured_workers=settings.workers)
+        metrics = SupervisorMetrics(
+            registry,
+            configured_workers=settings.workers,
+            steered=steer_by_connection_id(tunnel_sockets),
+        )
         port = int(tunnel_sockets[0].getsockname()[1])
         concrete = worker_settings(
             settings,

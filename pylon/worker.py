@@ -1,8 +1,9 @@
 """One worker process of a multi-process Pylon (`python -m pylon.worker`, started by
 `pylon.supervisor`, never by hand).
 
-The supervisor writes its pid, the worker's complete settings and the number
-of the tunnel socket it passed down as JSON on stdin
+The supervisor writes its pid, the worker's complete settings, the number
+of the tunnel socket it passed down and that socket's place in the group
+(`tunnel.steering`) as JSON on stdin
 (`pylon.supervisor.worker_payload`: the certificate already generated, the
 upstream URL resolved, the admin server on an ephemeral loopback port) and
 reads one JSON line back on stdout once the worker serves: its pid and admin
@@ -25,6 +26,7 @@ from pylon.app import RunningPylon, StartupError
 from pylon.cli import run_event_loop, serve_until_signalled
 from pylon.config import Settings
 from pylon.logs import configure_logging
+from tunnel.steering import ConnectionIdSteering
 
 PR_SET_PDEATHSIG = 1
 
@@ -53,10 +55,13 @@ def main() -> int:
     exit_with_parent(payload["supervisor_pid"])
     settings = Settings.model_validate(payload["settings"])
     tunnel_socket = socket.socket(fileno=payload["tunnel_fd"])
+    steering = ConnectionIdSteering(payload["worker_index"], payload["worker_count"])
     configure_logging(level=settings.log_level, human=settings.dev)
     try:
         return run_event_loop(
-            serve_until_signalled(settings, on_started=announce, tunnel_socket=tunnel_socket),
+            serve_until_signalled(
+                settings, on_started=announce, tunnel_socket=tunnel_socket, steering=steering
+            ),
             choice=settings.event_loop,
         )
     except StartupError as error:

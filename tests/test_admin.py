@@ -270,6 +270,7 @@ SUPERVISOR_METRICS = {
     "pylon_workers_running",
     "pylon_worker_restarts_total",
     "pylon_worker_scrape_failures_total",
+    "pylon_workers_steered",
 }
 """Only a multi-process Pylon has these (tests/test_workers.py checks them)."""
 

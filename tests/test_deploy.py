@@ -718,6 +718,7 @@ SEVERITIES = {
     "PylonNoTraffic": "warning",
     "PylonQueuedBytesHigh": "warning",
     "PylonWorkerRestarts": "warning",
+    "PylonWorkersNotSteered": "warning",
 }
 
 
@@ -879,6 +880,18 @@ ALERT_CASES = [
             firing,
         )
         for time, firing in (("6m", ()), ("12m", (A,)), ("25m", ()))
+    ),
+    *(
+        AlertCase(
+            "PylonWorkersNotSteered",
+            (
+                _series("pylon_workers_steered", A, "0x20"),
+                _series("pylon_workers_steered", B, "1x20"),
+            ),
+            time,
+            firing,
+        )
+        for time, firing in (("3m", ()), ("10m", (A,)))
     ),
 ]
 

@@ -14,7 +14,7 @@ import re
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -364,6 +364,105 @@ def test_a_worker_restart_moves_no_connection_of_the_other_workers(tmp_path: Pat
                 # The restarted worker takes new connections on the same port.
                 assert await _requests_on_one_connection(tree.port, "c", 2) == [200, 200]
         finally:
+            await engine.close()
+
+    run(scenario(), timeout_s=120)
+
+
+class RebindingNat:
+    """A NAT between the test client and Pylon whose outside port can change.
+
+    The client talks to the inside socket; the NAT relays each datagram to
+    Pylon from its outside socket and the answers back. `rebind` moves the
+    outside to a new port, as a NAT does when its mapping expires: Pylon sees
+    the same connection arrive from another address.
+    """
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        self._target = target
+        self._client: tuple[str, int] | None = None
+        self._inside: asyncio.DatagramTransport | None = None
+        self._outside: asyncio.DatagramTransport | None = None
+        self.port = 0
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._inside, _ = await loop.create_datagram_endpoint(
+            lambda: _Relay(self._from_client), local_addr=("127.0.0.1", 0)
+        )
+        self.port = self._inside.get_extra_info("sockname")[1]
+        await self.rebind()
+
+    async def rebind(self) -> None:
+        old = self._outside
+        self._outside, _ = await asyncio.get_running_loop().create_datagram_endpoint(
+            lambda: _Relay(self._from_pylon), local_addr=("127.0.0.1", 0)
+        )
+        if old is not None:
+            old.close()
+
+    def close(self) -> None:
+        for transport in (self._inside, self._outside):
+            if transport is not None:
+                transport.close()
+
+    def _from_client(self, data: bytes, addr: tuple[str, int]) -> None:
+        self._client = addr
+        assert self._outside is not None
+        self._outside.sendto(data, self._target)
+
+    def _from_pylon(self, data: bytes, addr: tuple[str, int]) -> None:
+        if self._client is not None and self._inside is not None:
+            self._inside.sendto(data, self._client)
+
+
+class _Relay(asyncio.DatagramProtocol):
+    def __init__(self, deliver: Callable[[bytes, tuple[str, int]], None]) -> None:
+        self._deliver = deliver
+
+    def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
+        self._deliver(data, addr)
+
+
+def _served(text: str) -> float:
+    """Inference requests answered 200 by one worker (0 before its first)."""
+    try:
+        return _value(text, *INFERENCE_2XX)
+    except AssertionError:
+        return 0
+
+
+@pytest.mark.e2e
+def test_a_connection_whose_gateway_address_changes_stays_on_its_worker(tmp_path: Path) -> None:
+    rebinds = 8  # by address hash alone, all 8 would stay on one of 2 workers 1 time in 256
+
+    async def scenario() -> None:
+        engine = MockEngine(MockEngineOptions(tokens=3, token_delay_s=0))
+        await engine.start()
+        nat: RebindingNat | None = None
+        try:
+            async with pylon_workers(engine, tmp_path, workers=2) as tree:
+                nat = RebindingNat(("127.0.0.1", tree.port))
+                await nat.start()
+                configuration = client_configuration(verify=False)
+                async with open_client(
+                    "127.0.0.1", nat.port, configuration=configuration
+                ) as client:
+                    answered = [await _answered(client, "m0", within_s=5)]
+                    for n in range(1, rebinds + 1):
+                        await nat.rebind()
+                        if n % 2 == 0:  # a migration: the client moves to a fresh ID as well
+                            client._quic.change_connection_id()
+                        answered.append(await _answered(client, f"m{n}", within_s=5))
+                assert all(answered), answered
+                served = [
+                    _served(await tree.metrics(port)) for port in tree.worker_admin_ports.values()
+                ]
+                assert sorted(served) == [0, rebinds + 1], served
+                assert _value(await tree.metrics(), "pylon_workers_steered") == 1
+        finally:
+            if nat is not None:
+                nat.close()
             await engine.close()
 
     run(scenario(), timeout_s=120)

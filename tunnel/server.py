@@ -50,6 +50,7 @@ from tunnel.limits import (
     stream_over_limit,
 )
 from tunnel.send_path import visit_only_busy_streams
+from tunnel.steering import ConnectionIdSteering, steer_connection_ids
 from tunnel.stream import READ_BATCH_BYTES, Handler, TunnelStream
 from tunnel.tls import ClientAuth, peer_identity, require_client_certificate
 from tunnel.types import HeaderList, MalformedRequest
@@ -109,6 +110,9 @@ class TunnelOptions:
     """Requested UDP socket send/receive buffer size (0 keeps the kernel default)."""
     session_tickets: bool = False
     """Issue single-use resumption tickets, which lets clients send 0-RTT early data."""
+    steering: ConnectionIdSteering | None = None
+    """This worker's place in a steered SO_REUSEPORT group (`tunnel.steering`): the
+    connection IDs it issues lead back to it. None: IDs are fully random."""
 
     @property
     def read_batch_bytes(self) -> int:
@@ -131,6 +135,8 @@ class TunnelProtocol(QuicConnectionProtocol):
         self._options = options
         self._registry = registry
         self._h3: TunnelH3Connection | None = None
+        if options.steering is not None:
+            steer_connection_ids(self._quic, options.steering)
         self._credit = ConsumptionCredit(
             self._quic, window_bytes=options.request_window_bytes, on_stalled=self._hand_over
         )
