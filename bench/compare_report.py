@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from bench.stats import Summary, difference, median_summary, ratio
-from bench.table import fmt_mib, fmt_ms, fmt_num, fmt_ratio, fmt_us, format_table
+from bench.table import MISSING, fmt_mib, fmt_ms, fmt_num, fmt_ratio, fmt_us, format_table
 
 DIRECT, PYLON, CANDIDATE, CADDY = "direct", "pylon", "candidate", "caddy"
 PROXIES = (PYLON, CANDIDATE, CADDY)
@@ -22,6 +22,8 @@ VS_DIRECT = ("throughput_rps", "ttfb_p50_s", "ttfb_p99_s", "gap_p99_s")
 VS_CADDY = (
     *VS_DIRECT,
     "proxy_cpu_per_request_s",
+    "proxy_user_cpu_per_request_s",
+    "proxy_system_cpu_per_request_s",
     "proxy_cpu_per_event_s",
     "proxy_peak_rss_bytes",
 )
@@ -85,7 +87,8 @@ def _le(value: float | int | None, bound: float) -> bool | None:
 
 def paths_table(medians: Mapping[str, Summary]) -> str:
     headers = ["path", "ok", "err", "req/s", "TTFB p50", "TTFB p99", "gap p50", "gap p99"]
-    headers += ["lost", "UDP drops", "proxy CPU/req", "CPU/event", "peak RSS", "client CPU"]
+    headers += ["lost", "UDP drops", "proxy CPU/req", "user/sys", "CPU/event", "peak RSS"]
+    headers += ["client CPU"]
     headers += ["other CPU"]
     rows = []
     for path, m in medians.items():
@@ -102,6 +105,7 @@ def paths_table(medians: Mapping[str, Summary]) -> str:
                 fmt_num(m.get("lost_events"), 0),
                 _drops_cell(m),
                 fmt_ms(m.get("proxy_cpu_per_request_s"), 3),
+                _user_system_cell(m),
                 fmt_us(m.get("proxy_cpu_per_event_s")),
                 fmt_mib(m.get("proxy_peak_rss_bytes")),
                 fmt_num(m.get("client_cpu_s"), 2),
@@ -110,10 +114,18 @@ def paths_table(medians: Mapping[str, Summary]) -> str:
         )
     units = (
         "times in ms, CPU/req in ms, CPU/event in us, RSS in MiB, CPU in s; medians over rounds;\n"
+        " user/sys: CPU/req split into the proxy's own code and its system calls;\n"
         " UDP drops: datagrams lost to full socket buffers, at the proxy / machine-wide;\n"
         " other CPU: busy time of everything else on the machine during the run"
     )
     return format_table(headers, rows) + f"\n({units})"
+
+
+def _user_system_cell(m: Summary) -> str:
+    user, system = m.get("proxy_user_cpu_per_request_s"), m.get("proxy_system_cpu_per_request_s")
+    if user is None or system is None:
+        return MISSING
+    return f"{fmt_ms(user, 3)}/{fmt_ms(system, 3)}"
 
 
 def _drops_cell(m: Summary) -> str:

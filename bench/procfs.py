@@ -12,21 +12,42 @@ import contextlib
 import os
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 CLOCK_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 RESET_PEAK_RSS = b"5"
 """Writing 5 to /proc/<pid>/clear_refs resets VmHWM to the current RSS (Linux >= 4.0)."""
 
 
-def parse_stat_ticks(stat: str) -> int:
-    """utime + stime (fields 14 and 15) of a /proc/<pid>/stat line.
+class CpuTimes(NamedTuple):
+    """CPU time split as the kernel counts it: in the process's own code (user) and in
+    system calls on its behalf (system). Python's cost shows in the first, a
+    proxy's socket work in the second."""
+
+    user: float
+    system: float
+
+    @property
+    def total(self) -> float:
+        return self.user + self.system
+
+    def since(self, earlier: CpuTimes) -> CpuTimes:
+        return CpuTimes(self.user - earlier.user, self.system - earlier.system)
+
+
+def parse_stat_user_system_ticks(stat: str) -> tuple[int, int]:
+    """utime and stime (fields 14 and 15) of a /proc/<pid>/stat line.
 
     The command name (field 2) is in parentheses and may contain spaces, so
     fields are counted from the last ")".
     """
     after_name = stat[stat.rindex(")") + 2 :].split()
-    utime, stime = after_name[11], after_name[12]
-    return int(utime) + int(stime)
+    return int(after_name[11]), int(after_name[12])
+
+
+def parse_stat_ticks(stat: str) -> int:
+    """utime + stime of a /proc/<pid>/stat line."""
+    return sum(parse_stat_user_system_ticks(stat))
 
 
 def parse_stat_ppid(stat: str) -> int:
@@ -108,13 +129,21 @@ def udp_rcvbuf_errors() -> int:
     return parse_rcvbuf_errors(Path("/proc/net/snmp").read_text())
 
 
-def cpu_seconds(pid: int) -> float:
-    """CPU time of `pid` and every process below it."""
-    ticks = 0
+def cpu_times(pid: int) -> CpuTimes:
+    """User and system CPU time of `pid` and every process below it."""
+    user = system = 0
     for member in process_tree(pid):
         with contextlib.suppress(OSError):  # exited since the walk
-            ticks += parse_stat_ticks(Path(f"/proc/{member}/stat").read_text())
-    return ticks / CLOCK_TICKS_PER_S
+            member_user, member_system = parse_stat_user_system_ticks(
+                Path(f"/proc/{member}/stat").read_text()
+            )
+            user, system = user + member_user, system + member_system
+    return CpuTimes(user / CLOCK_TICKS_PER_S, system / CLOCK_TICKS_PER_S)
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time of `pid` and every process below it."""
+    return cpu_times(pid).total
 
 
 def _tree_kib_field(pid: int, field: str, *, file: str = "status") -> int | None:

@@ -12,6 +12,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -178,6 +179,7 @@ STAT = "4242 (my (odd) name) S 1 2 3 4 5 6 7 8 9 10 250 50 0 0 20 0 1 0 100 0 0"
 
 
 def test_procfs_parsers() -> None:
+    assert procfs.parse_stat_user_system_ticks(STAT) == (250, 50)
     assert procfs.parse_stat_ticks(STAT) == 300
     status = "Name:\tpylon\nVmPeak:\t  9000 kB\nVmHWM:\t  1234 kB\nVmRSS:\t  1000 kB\n"
     assert procfs.parse_status_kib(status, "VmHWM") == 1234
@@ -222,6 +224,24 @@ SMAPS_ROLLUP = (
 def test_pss_parser_reads_smaps_rollup() -> None:
     assert procfs.parse_status_kib(SMAPS_ROLLUP, "Pss") == 39605
     assert procfs.parse_status_kib(SMAPS_ROLLUP, "Rss") == 59476
+
+
+def test_cpu_times_split_user_from_system_time() -> None:
+    before = procfs.cpu_times(os.getpid())
+    deadline = time.process_time() + 0.3
+    while time.process_time() < deadline:  # user time only: no system call in the loop body
+        sum(range(1000))
+    spent = procfs.cpu_times(os.getpid()).since(before)
+    assert spent.user >= 0.2
+    assert spent.system < spent.user
+    assert spent.total == pytest.approx(spent.user + spent.system)
+
+
+def test_user_system_cell_needs_both_parts() -> None:
+    split = {"proxy_user_cpu_per_request_s": 0.0005, "proxy_system_cpu_per_request_s": 0.0001}
+    assert "0.500/0.100" in compare_report.paths_table({"pylon": split})
+    alone = {"proxy_user_cpu_per_request_s": 0.0005}
+    assert "0.500/" not in compare_report.paths_table({"pylon": alone})
 
 
 def test_process_tree_and_its_cpu_include_children() -> None:
@@ -466,6 +486,11 @@ def test_compare_smoke_writes_json_for_every_path(tmp_path: Path) -> None:
         assert summary["lost_events"] == 0
     assert written["medians"]["pylon"]["proxy_cpu_s"] is not None
     assert written["medians"]["direct"]["proxy_cpu_s"] is None
+    pylon = written["medians"]["pylon"]
+    assert pylon["proxy_user_cpu_per_request_s"] + pylon[
+        "proxy_system_cpu_per_request_s"
+    ] == pytest.approx(pylon["proxy_cpu_per_request_s"])
+    assert "proxy_user_cpu_per_request_s pylon/caddy" in written["comparison"]
     assert "ttfb_p50_s pylon/caddy" in written["comparison"]
     assert "proxy_cpu_per_event_s candidate/pylon" in written["comparison"]
     assert result["targets"]
