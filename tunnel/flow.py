@@ -71,6 +71,41 @@ class ConsumptionCredit:
         if stream_id in self._unread:
             self._unread[stream_id] -= byte_count
 
+    def limit_to_write(self, stream: Any) -> bool:
+        """Whether `_write_stream_limits` would act on `stream` now: raise its limit, send
+        a MAX_STREAM_DATA frame, or tell of a stall. Changes nothing (see `send_path`)."""
+        if stream.receiver.is_finished:
+            return False
+        unread = self._unread.get(stream.stream_id)
+        if unread is None or not stream.max_stream_data_local:
+            local: int = stream.max_stream_data_local
+            # aioquic's own rule: double once the peer has used half of the window.
+            raised = bool(local) and stream.receiver.highest_offset * 2 > local
+            return raised or bool(stream.max_stream_data_local_sent != local)
+        target, stalled = self._credit_decision(stream, unread)
+        return (
+            target is not None
+            or stalled
+            or (stream.max_stream_data_local_sent != stream.max_stream_data_local)
+        )
+
+    def _credit_decision(self, stream: Any, unread: int) -> tuple[int | None, bool]:
+        """The limit to raise a tracked stream to (None: keep it), and whether its peer
+        waits for reads the application has not made."""
+        # Raise the limit in half-window steps: one MAX_STREAM_DATA per small
+        # read would flood the peer with ack-eliciting packets. But always raise
+        # once the peer has reached the limit: aioquic holds back even the
+        # retransmission of lost bytes on a blocked stream, so waiting for a
+        # half-window of reads behind a gap would deadlock.
+        target = stream.receiver.starting_offset() - unread + self._window_bytes
+        peer_blocked = stream.receiver.highest_offset >= stream.max_stream_data_local
+        step = target - stream.max_stream_data_local
+        if step >= self._window_bytes // 2 or (peer_blocked and step > 0):
+            return target, False
+        # No credit until the application reads: an application that reads in
+        # batches must take what it has (behind a gap, less than a batch).
+        return None, peer_blocked and unread != 0
+
     def _write_stream_limits(self, builder: QuicPacketBuilder, space: Any, stream: Any) -> None:
         # aioquic calls this for every stream on every packet it builds. Once the
         # peer's data is all in (FIN or reset), no credit is left to grant (RFC
@@ -81,19 +116,10 @@ class ConsumptionCredit:
         if unread is None or not stream.max_stream_data_local:
             self._default_write_stream_limits(builder=builder, space=space, stream=stream)
             return
-        # Raise the limit in half-window steps: one MAX_STREAM_DATA per small
-        # read would flood the peer with ack-eliciting packets. But always raise
-        # once the peer has reached the limit: aioquic holds back even the
-        # retransmission of lost bytes on a blocked stream, so waiting for a
-        # half-window of reads behind a gap would deadlock.
-        target = stream.receiver.starting_offset() - unread + self._window_bytes
-        peer_blocked = stream.receiver.highest_offset >= stream.max_stream_data_local
-        step = target - stream.max_stream_data_local
-        if step >= self._window_bytes // 2 or (peer_blocked and step > 0):
+        target, stalled = self._credit_decision(stream, unread)
+        if target is not None:
             stream.max_stream_data_local = target
-        elif peer_blocked and unread:
-            # No credit until the application reads: an application that reads in
-            # batches must take what it has (behind a gap, less than a batch).
+        elif stalled:
             self._on_stalled(stream.stream_id)
         if stream.max_stream_data_local_sent == stream.max_stream_data_local:
             return

@@ -23,21 +23,116 @@ can move to a later packet: dropping the state of a stream that has finished,
 and a STOP_SENDING or RESET_STREAM frame for a stream behind a full packet
 (aioquic would otherwise give up the whole transmit when it does not fit).
 
+`settled_without_packets` spares a transmit the packet builder when it would
+build nothing. A small request wakes the connection some three times with nothing
+to send (its own datagram, whose ACK waits to ride on the response; the
+gateway's ACK of the response; the read of the body), and each such attempt
+costs aioquic a packet started and thrown away, and often a pacing timer for
+nothing. The check reads the same state `_write_application` reads, in the
+same terms, and answers True only when every frame it could write is absent.
+
 This reaches into aioquic internals (`QuicConnection._write_application`,
-`_write_stream_frame`, `_streams`, `_streams_queue`); it is kept to this module
-and pinned by tests against the aioquic version the project locks.
+`_write_stream_frame`, `_streams`, `_streams_queue`, the pending-frame flags);
+it is kept to this module and pinned by tests against the aioquic version the
+project locks.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-from aioquic.quic.connection import QuicConnection
+from aioquic import tls
+from aioquic.quic.connection import END_STATES, QuicConnection, stream_is_client_initiated
 from aioquic.quic.packet_builder import QuicPacketBuilder, QuicPacketBuilderStop
 from aioquic.quic.stream import QuicStream
 
 SMALLEST_STREAM_FRAME_HEADER = 4
 """Frame type, a 1-byte stream id and a 2-byte length: aioquic's least frame overhead."""
+
+
+IDLE_CHECK_MAX_STREAMS = 32
+"""Above this many streams the check would cost about what it saves, and a transmit
+with nothing to send is rare (there is nearly always a stream with data)."""
+
+
+def settled_without_packets(
+    quic: QuicConnection, now: float, limit_to_write: Callable[[QuicStream], bool]
+) -> bool:
+    """Do what `quic.datagrams_to_send(now)` would do when it has no packet to build,
+    and say so; False (and nothing changed) when it may have one.
+
+    No packet means: an established connection on one validated path, no ACK
+    due, no pending control frame, no stream with a frame to send, no receive
+    limit to raise (`limit_to_write`, the credit hook's own rule), and no MAX_*
+    frame due once the streams that have finished both ways are dropped. The
+    drop is aioquic's own first step of building (`_write_application`): each
+    such stream leaves the connection and, if the peer opened it, lets the peer
+    open another. Pacing needs no timer when there is nothing to pace.
+    """
+    if (
+        quic._close_pending
+        or not quic._handshake_confirmed
+        or quic._state in END_STATES
+        or quic._probe_pending
+        or quic._ping_pending
+        or quic._datagrams_pending
+        or quic._handshake_done_pending
+        or quic._streams_blocked_pending
+        or quic._retire_connection_ids
+        or len(quic._network_paths) != 1
+        or len(quic._streams) > IDLE_CHECK_MAX_STREAMS
+    ):
+        return False
+    path = quic._network_paths[0]
+    if not path.is_validated or path.remote_challenges:
+        return False
+    ack_at = quic._spaces[tls.Epoch.ONE_RTT].ack_at
+    if ack_at is not None and ack_at <= now:
+        return False
+    crypto_stream = quic._crypto_streams.get(tls.Epoch.ONE_RTT)
+    if crypto_stream is not None and not crypto_stream.sender.buffer_is_empty:
+        return False
+    if any(not connection_id.was_sent for connection_id in quic._host_cids):
+        return False
+    finished = []
+    for stream in quic._streams_queue:
+        sender, receiver = stream.sender, stream.receiver
+        if not sender.buffer_is_empty or sender.reset_pending or receiver.stop_pending:
+            return False
+        if sender.is_finished and receiver.is_finished:
+            finished.append(stream)
+    if any(limit_to_write(stream) for stream in quic._streams.values()):
+        return False
+    if finished:
+        _drop_finished(quic, finished)
+    if _connection_limit_to_write(quic):
+        return False
+    quic._pacing_at = None
+    return True
+
+
+def _drop_finished(quic: QuicConnection, finished: list[QuicStream]) -> None:
+    """aioquic's discard of streams finished both ways, in `_write_application`."""
+    for stream in finished:
+        stream_id = stream.stream_id
+        assert stream_id is not None  # every stream of a connection has its id
+        quic._streams.pop(stream_id, None)
+        if stream_is_client_initiated(stream_id) != quic._is_client:
+            quic._stream_limit(stream_id).value += 1
+    dropped = set(finished)
+    quic._streams_queue = [stream for stream in quic._streams_queue if stream not in dropped]
+
+
+def _connection_limit_to_write(quic: QuicConnection) -> bool:
+    """Whether `_write_connection_limits` would raise MAX_DATA or send a MAX_* frame."""
+    max_data = quic._local_max_data
+    if max_data.used * 2 > max_data.value or max_data.value != max_data.sent:
+        return True
+    return any(
+        limit.value != limit.sent and limit.sent - limit.used < limit.value - limit.sent
+        for limit in (quic._local_max_streams_bidi, quic._local_max_streams_uni)
+    )
 
 
 class _PacketFull(Exception):

@@ -49,7 +49,7 @@ from tunnel.limits import (
     refuse_connection,
     stream_over_limit,
 )
-from tunnel.send_path import visit_only_busy_streams
+from tunnel.send_path import settled_without_packets, visit_only_busy_streams
 from tunnel.steering import ConnectionIdSteering, steer_connection_ids
 from tunnel.stream import READ_BATCH_BYTES, Handler, TunnelStream
 from tunnel.tls import ClientAuth, peer_identity, require_client_certificate
@@ -307,13 +307,16 @@ class TunnelProtocol(QuicConnectionProtocol):
         task.cancel()
 
     def transmit(self) -> None:
-        """aioquic's transmit, but its timer is re-armed only for an earlier deadline."""
+        """aioquic's transmit, but with no packet built when there is nothing to send
+        (`settled_without_packets`), and its timer re-armed only for an earlier deadline."""
         self._transmit_task = None
         transport = self._transport
         assert transport is not None  # the server hands it over before the first datagram
-        for data, addr in self._quic.datagrams_to_send(now=self._loop.time()):
-            transport.sendto(data, addr)
-        deadline = self._quic.get_timer()
+        quic, now = self._quic, self._loop.time()
+        if not settled_without_packets(quic, now, self._credit.limit_to_write):
+            for data, addr in quic.datagrams_to_send(now=now):
+                transport.sendto(data, addr)
+        deadline = quic.get_timer()
         if self._timer is not None and not timer_can_stay(self._timer_at, deadline):
             self._timer.cancel()
             self._timer = None
