@@ -43,13 +43,20 @@ from collections.abc import Callable
 from typing import Any
 
 from aioquic import tls
-from aioquic.quic.connection import END_STATES, QuicConnection, stream_is_client_initiated
+from aioquic.quic.connection import (
+    QuicConnection,
+    QuicConnectionState,
+    stream_is_client_initiated,
+)
 from aioquic.quic.packet_builder import QuicPacketBuilder, QuicPacketBuilderStop
 from aioquic.quic.stream import QuicStream
 
 SMALLEST_STREAM_FRAME_HEADER = 4
 """Frame type, a 1-byte stream id and a 2-byte length: aioquic's least frame overhead."""
 
+
+_CONNECTED = QuicConnectionState.CONNECTED
+_ONE_RTT = tls.Epoch.ONE_RTT
 
 IDLE_CHECK_MAX_STREAMS = 32
 """Above this many streams the check would cost about what it saves, and a transmit
@@ -71,9 +78,9 @@ def settled_without_packets(
     open another. Pacing needs no timer when there is nothing to pace.
     """
     if (
-        quic._close_pending
+        quic._state is not _CONNECTED
+        or quic._close_pending
         or not quic._handshake_confirmed
-        or quic._state in END_STATES
         or quic._probe_pending
         or quic._ping_pending
         or quic._datagrams_pending
@@ -87,14 +94,15 @@ def settled_without_packets(
     path = quic._network_paths[0]
     if not path.is_validated or path.remote_challenges:
         return False
-    ack_at = quic._spaces[tls.Epoch.ONE_RTT].ack_at
+    ack_at = quic._spaces[_ONE_RTT].ack_at
     if ack_at is not None and ack_at <= now:
         return False
-    crypto_stream = quic._crypto_streams.get(tls.Epoch.ONE_RTT)
+    crypto_stream = quic._crypto_streams.get(_ONE_RTT)
     if crypto_stream is not None and not crypto_stream.sender.buffer_is_empty:
         return False
-    if any(not connection_id.was_sent for connection_id in quic._host_cids):
-        return False
+    for connection_id in quic._host_cids:
+        if not connection_id.was_sent:
+            return False
     finished = []
     for stream in quic._streams_queue:
         sender, receiver = stream.sender, stream.receiver
@@ -102,8 +110,9 @@ def settled_without_packets(
             return False
         if sender.is_finished and receiver.is_finished:
             finished.append(stream)
-    if any(limit_to_write(stream) for stream in quic._streams.values()):
-        return False
+    for stream in quic._streams.values():
+        if limit_to_write(stream):
+            return False
     if finished:
         _drop_finished(quic, finished)
     if _connection_limit_to_write(quic):
