@@ -88,8 +88,7 @@ def _le(value: float | int | None, bound: float) -> bool | None:
 def paths_table(medians: Mapping[str, Summary]) -> str:
     headers = ["path", "ok", "err", "req/s", "TTFB p50", "TTFB p99", "gap p50", "gap p99"]
     headers += ["lost", "UDP drops", "proxy CPU/req", "user/sys", "CPU/event", "peak RSS"]
-    headers += ["client CPU"]
-    headers += ["other CPU"]
+    headers += ["client CPU", "other CPU"]
     rows = []
     for path, m in medians.items():
         rows.append(

@@ -45,11 +45,6 @@ def parse_stat_user_system_ticks(stat: str) -> tuple[int, int]:
     return int(after_name[11]), int(after_name[12])
 
 
-def parse_stat_ticks(stat: str) -> int:
-    """utime + stime of a /proc/<pid>/stat line."""
-    return sum(parse_stat_user_system_ticks(stat))
-
-
 def parse_stat_ppid(stat: str) -> int:
     """The parent pid (field 4) of a /proc/<pid>/stat line."""
     return int(stat[stat.rindex(")") + 2 :].split()[1])

@@ -180,7 +180,6 @@ STAT = "4242 (my (odd) name) S 1 2 3 4 5 6 7 8 9 10 250 50 0 0 20 0 1 0 100 0 0"
 
 def test_procfs_parsers() -> None:
     assert procfs.parse_stat_user_system_ticks(STAT) == (250, 50)
-    assert procfs.parse_stat_ticks(STAT) == 300
     status = "Name:\tpylon\nVmPeak:\t  9000 kB\nVmHWM:\t  1234 kB\nVmRSS:\t  1000 kB\n"
     assert procfs.parse_status_kib(status, "VmHWM") == 1234
     assert procfs.parse_status_kib(status, "VmSwap") is None

@@ -20,6 +20,7 @@ import random
 import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -175,12 +176,12 @@ def test_gtlsclient_download_survives_a_migration_with_workers(tmp_path: Path) -
     tests/test_workers.py.)"""
 
     async def scenario() -> None:
-        handlers: set[asyncio.Task[None]] = set()
+        handlers: set[asyncio.Task[Any]] = set()
 
         async def tracked(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             task = asyncio.current_task()
             assert task is not None
-            handlers.add(task)  # type: ignore[arg-type]
+            handlers.add(task)
             await _trickle_blob(reader, writer)
 
         server = await asyncio.start_server(tracked, "127.0.0.1", 0)
