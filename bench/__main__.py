@@ -142,6 +142,11 @@ def _soak_parser(soak: argparse.ArgumentParser) -> None:
     soak.add_argument(
         "--streams-per-connection", type=int, default=64, help="HTTP/3 streams per QUIC connection"
     )
+    soak.add_argument(
+        "--python-heap",
+        action="store_true",
+        help="Pylon under tracemalloc: its live Python heap and growing sites per window",
+    )
     _common(soak)
 
 
@@ -158,6 +163,7 @@ def run_soak_command(ns: argparse.Namespace) -> int:
         pylon_auth=not ns.pylon_no_auth,
         pylon_args=tuple(ns.pylon_arg),
         pylon_command=tuple(shlex.split(ns.pylon_command or "")),
+        python_heap=ns.python_heap,
         out_root=ns.out,
     )
     run_soak(options)

@@ -16,7 +16,10 @@ are part of what is soaked.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
+import os
+import signal
 import sys
 import tempfile
 import time
@@ -24,7 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bench import compare_report, soak_report, stack
+from bench import compare_report, heap_probe, soak_report, stack
 from bench.compare import DEFAULTS
 from bench.drivers import Target
 from bench.load import LoadSpec
@@ -39,6 +42,8 @@ from bench.workloads import stream, with_headers
 from pylon.devcert import ensure_dev_certificate
 
 STREAM = DEFAULTS["stream"]
+HEAP_DUMP_WAIT_S = 30.0
+"""A snapshot of a large heap takes seconds; a probe that never answers fails the soak."""
 MIN_STREAM_S = 0.001
 """Bounds the request budget of a window when the engine answers without delay."""
 
@@ -58,11 +63,18 @@ class SoakOptions:
     pylon_auth: bool = True
     pylon_args: tuple[str, ...] = ()
     pylon_command: tuple[str, ...] = ()
+    python_heap: bool = False
+    """Run Pylon under `bench.heap_probe` and record its traced Python heap per window."""
     out_root: Path | None = None
 
     def __post_init__(self) -> None:
         if self.duration_s <= 0 or self.window_s <= 0:
             raise ValueError("--duration-s and --window-s must be positive")
+        if self.python_heap and self.pylon_command:
+            raise ValueError("--python-heap runs Pylon under the probe: no --pylon-command")
+        if self.python_heap and any(arg.startswith("--workers") for arg in self.pylon_args):
+            # Workers are interpreters of their own; the probe would trace the supervisor.
+            raise ValueError("--python-heap traces one process: no Pylon --workers")
 
     @property
     def windows(self) -> int:
@@ -101,7 +113,7 @@ def run_soak(options: SoakOptions) -> dict[str, Any]:
                 key=tls[1],
                 token_file=token_file,
                 extra_args=options.pylon_args,
-                command=options.pylon_command,
+                command=_heap_probe_command(out) if options.python_heap else options.pylon_command,
             )
         )
         idle_rss, idle_pss = rss_bytes(pylon.pid), pss_bytes(pylon.pid)
@@ -139,12 +151,31 @@ def _windows(
         window |= {"rss_bytes": _alive_rss(pylon), "pss_bytes": pss_bytes(pylon.pid)}
         # A restarted worker starts small again and would hide growth: the pids show it.
         window["pids"] = process_tree(pylon.pid)
+        if options.python_heap:
+            window["python_heap"] = _heap_dump(pylon, out, index + 1)
         window |= {**summary, "error_kinds": error_counts(records)}
         note(_window_line(label, window))
         windows.append(window)
         # Kept up to date, so an interrupted or failed soak still leaves its windows.
         write_json(out / "soak.json", {"partial": True, "windows": windows})
     return windows
+
+
+def _heap_probe_command(out: Path) -> tuple[str, ...]:
+    return (sys.executable, "-m", "bench.heap_probe", str(out / "heap"))
+
+
+def _heap_dump(pylon: stack.Service, out: Path, index: int) -> dict[str, Any]:
+    """Ask the probe for dump `index` and read it (the loop runs the handler soon after)."""
+    path = heap_probe.dump_path(out / "heap", index)
+    os.kill(pylon.pid, signal.SIGUSR2)
+    deadline = time.monotonic() + HEAP_DUMP_WAIT_S
+    while not path.exists():
+        if time.monotonic() > deadline or pylon.process.poll() is not None:
+            raise RuntimeError(f"no heap dump {path} from Pylon:\n{stack.log_tail(pylon)}")
+        time.sleep(0.05)
+    dump: dict[str, Any] = json.loads(path.read_text())
+    return dump
 
 
 def _alive_rss(pylon: stack.Service) -> int:
@@ -161,6 +192,11 @@ def _window_line(label: str, window: dict[str, Any]) -> str:
         f"{window['errors']} errors, {fmt_num(window['lost_events'], 0)} lost events, "
         f"Pylon CPU {fmt_num(window['proxy_cpu_s'])} s, "
         f"other CPU {fmt_num(window['other_cpu_s'])} s"
+        + (
+            f", heap {fmt_mib(window['python_heap']['traced_bytes'])} MiB"
+            if "python_heap" in window
+            else ""
+        )
     )
 
 
@@ -199,6 +235,9 @@ def _report(
     print(soak_report.figures_table(verdict, idle=idle, last_pss_bytes=windows[-1]["pss_bytes"]))
     print()
     print(compare_report.targets_table(checks))
+    if options.python_heap:
+        print()
+        print(soak_report.heap_table(windows))
     print(_totals_line(totals, host))
     soak_plot(out, samples, windows=windows, verdict=verdict)
     print(f"\nresults: {out}")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from bench.table import fmt_mib, fmt_num, format_table
 
@@ -193,3 +194,28 @@ def totals(windows: Sequence[Mapping[str, float | int | None]]) -> dict[str, flo
     sums["other_busy_cores"] = sums["other_cpu_s"] / accounted if accounted else 0.0
     sums["pylon_busy_cores"] = sums["proxy_cpu_s"] / accounted if accounted else 0.0
     return sums
+
+
+def heap_table(windows: Sequence[Mapping[str, Any]]) -> str:
+    """Pylon's traced Python heap after each window, and the sites that grew since the first.
+
+    RSS also counts pages the allocator keeps after their objects are gone;
+    the traced heap counts only live blocks, so the two together tell a leak
+    from allocator growth.
+    """
+    dumps: list[Mapping[str, Any]] = [w["python_heap"] for w in windows if "python_heap" in w]
+    if not dumps:
+        return ""
+    rows = [[fmt_num(d["dump"], 0), fmt_mib(d["traced_bytes"])] for d in dumps]
+    growth_kib = (dumps[-1]["traced_bytes"] - dumps[0]["traced_bytes"]) / 1024
+    site_rows = [
+        [g["site"], f"{g['size_diff_bytes'] / 1024:+.1f}", f"{g['count_diff']:+d}"]
+        for g in dumps[-1]["growth_since_first"]
+    ]
+    return "\n".join(
+        [
+            format_table(["window", "traced heap MiB"], rows),
+            f"(traced heap, first to last window: {growth_kib:+.1f} KiB; the sites that grew:)",
+            format_table(["site", "KiB since window 1", "blocks"], site_rows),
+        ]
+    )

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import time
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from bench import compare_report, procfs, queueing, soak_report, stack
+from bench import compare_report, heap_probe, procfs, queueing, soak_report, stack
 from bench.__main__ import main
 from bench.caddy import caddyfile
 from bench.compare import CompareOptions, run_compare
@@ -28,6 +29,7 @@ from bench.drivers import Target
 from bench.load import LoadSpec, run_load
 from bench.output import cdf
 from bench.priority import PriorityOptions, run_priority
+from bench.soak import SoakOptions
 from bench.soak_report import MIB, Sample, least_squares_slope, second_half, soak_verdict
 from bench.sse import StreamObserver
 from bench.stats import Record, difference, median, median_summary, percentile, ratio, summarize
@@ -546,3 +548,67 @@ def test_soak_smoke_writes_windows_and_figures(tmp_path: Path) -> None:
     assert written["options"]["pylon_args"] == ["--workers", "2"]
     assert len(written["windows"][0]["pids"]) == 3  # the supervisor and its two workers
     assert written["machine"]["background_busy_cores"] is not None
+
+
+@pytest.mark.parametrize(
+    ("filename", "site"),
+    [
+        (
+            "/v/lib/python3.11/site-packages/aioquic/quic/connection.py",
+            "aioquic/quic/connection.py:7",
+        ),
+        ("/usr/lib/python3.11/asyncio/events.py", "python3.11/asyncio/events.py:7"),
+        ("relative/mod.py", "relative/mod.py:7"),
+    ],
+)
+def test_heap_site_names_the_package_not_the_install(filename: str, site: str) -> None:
+    assert heap_probe.short_site(filename, 7) == site
+
+
+def test_heap_probe_dump_reports_live_growth_at_its_line(tmp_path: Path) -> None:
+    was_tracing = tracemalloc.is_tracing()
+    tracemalloc.start(1)
+    try:
+        probe = heap_probe.HeapProbe(tmp_path)
+        first = json.loads(probe.dump().read_text())
+        kept = [bytearray(512) for _ in range(400)]  # about 200 KiB kept alive
+        allocation_line = sys._getframe().f_lineno - 1
+        second = json.loads(probe.dump().read_text())
+    finally:
+        if not was_tracing:
+            tracemalloc.stop()
+    assert [first["dump"], second["dump"]] == [1, 2]
+    assert first["growth_since_first"] == []
+    assert second["traced_bytes"] - first["traced_bytes"] >= 400 * 512
+    top = second["growth_since_first"][0]
+    assert top["site"].endswith(f"test_bench.py:{allocation_line}")
+    assert top["count_diff"] >= 400 and top["size_diff_bytes"] >= 400 * 512
+    assert all(row["size_diff_bytes"] > 0 for row in second["growth_since_first"])
+    assert len(kept) == 400
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"pylon_args": ("--workers=2",)},
+        {"pylon_args": ("--workers", "2")},
+        {"pylon_command": ("python", "-m", "pylon.cli")},
+    ],
+)
+def test_soak_python_heap_refuses_what_it_cannot_trace(options: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match="--python-heap"):
+        SoakOptions(python_heap=True, **options)
+    SoakOptions(python_heap=False, **options)  # fine without the probe
+
+
+@pytest.mark.e2e
+def test_soak_smoke_with_python_heap_records_the_traced_heap(tmp_path: Path) -> None:
+    argv = ["soak", "--duration-s", "4", "--window-s", "2", "--concurrency", "2", "--python-heap"]
+    argv += ["--tokens", "3", "--token-delay-ms", "50", "--workers", "1", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    written = json.loads(next(tmp_path.glob("*-soak/soak.json")).read_text())
+    dumps = [w["python_heap"] for w in written["windows"]]
+    assert [d["dump"] for d in dumps] == [1, 2]
+    assert all(d["traced_bytes"] > MIB for d in dumps)  # Pylon's imports alone are more
+    assert dumps[0]["growth_since_first"] == []
+    assert "traced heap MiB" in soak_report.heap_table(written["windows"])
