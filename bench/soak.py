@@ -169,11 +169,10 @@ def _heap_dump(pylon: stack.Service, out: Path, index: int) -> dict[str, Any]:
     """Ask the probe for dump `index` and read it (the loop runs the handler soon after)."""
     path = heap_probe.dump_path(out / "heap", index)
     os.kill(pylon.pid, signal.SIGUSR2)
-    deadline = time.monotonic() + HEAP_DUMP_WAIT_S
-    while not path.exists():
-        if time.monotonic() > deadline or pylon.process.poll() is not None:
-            raise RuntimeError(f"no heap dump {path} from Pylon:\n{stack.log_tail(pylon)}")
-        time.sleep(0.05)
+    late = f"done with heap dump {path}"
+    stack.wait_for(
+        pylon, path.exists, timeout_s=HEAP_DUMP_WAIT_S, exited="before its dump", late=late
+    )
     dump: dict[str, Any] = json.loads(path.read_text())
     return dump
 

@@ -85,19 +85,25 @@ def _running(
         )
     service = Service(name, process, port, log_path)
     try:
-        _wait_ready(service, ready)
+        wait_for(service, ready, timeout_s=READY_TIMEOUT_S, exited="at start-up", late="ready")
         yield service
     finally:
         _stop(process)
 
 
-def _wait_ready(service: Service, ready: Callable[[], bool]) -> None:
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while not _quietly(ready):
+def wait_for(
+    service: Service, check: Callable[[], bool], *, timeout_s: float, exited: str, late: str
+) -> None:
+    """Poll `check` until it holds; fail if the service exits or `timeout_s` passes.
+
+    The errors read "<name> exited <exited>" and "<name> not <late> in <timeout_s> s".
+    """
+    deadline = time.monotonic() + timeout_s
+    while not _quietly(check):
         if service.process.poll() is not None:
-            raise RuntimeError(f"{service.name} exited at start-up:\n{log_tail(service)}")
+            raise RuntimeError(f"{service.name} exited {exited}:\n{log_tail(service)}")
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{service.name} not ready in {READY_TIMEOUT_S} s")
+            raise TimeoutError(f"{service.name} not {late} in {timeout_s} s")
         time.sleep(0.05)
 
 
