@@ -190,6 +190,40 @@ def test_a_packet_that_needs_no_ack_asks_for_none(link: Link) -> None:
     assert link.server_packets() == []
 
 
+def test_an_ack_only_packet_leaves_a_waiting_ack_alone(link: Link) -> None:
+    """One at a time: the gateway sends its next request before its ACK of the last response."""
+    link.server.send_stream_data(1, b"response", end_stream=True)
+    assert link.server_packets() == [{"stream"}]  # the client now owes an ACK, due in 1 ms
+    arrived = link.now
+    link.deliver(request := link.request())
+    assert len(request) == 1
+    link.advance(2 * MS)
+    (ack_only,) = link.client_datagrams()
+    link.deliver([ack_only])
+    timer = link.server.get_timer()
+    assert timer is not None and timer > arrived + 3 * MS  # the request's ACK still waits
+
+    link.advance(3 * MS)
+    assert link.server_packets() == []  # no ACK-only datagram while the engine answers
+    link.server.send_stream_data(0, b"response", end_stream=True)
+    assert link.server_packets() == [{"ack", "stream"}]
+
+
+def test_an_ack_only_packet_past_a_gap_is_not_acknowledged_at_once(link: Link) -> None:
+    """§13.2.1's immediate ACK is for ack-eliciting packets; the waiting one keeps its time."""
+    link.server.send_ping(1)
+    assert link.server_packets() == [{"ping"}]
+    arrived = link.now
+    link.deliver(link.request())
+    link.request()  # lost on the way
+    link.advance(2 * MS)
+    (ack_only,) = link.client_datagrams()
+    link.deliver([ack_only])
+    assert link.server_packets() == []
+    timer = link.server.get_timer()
+    assert timer is not None and timer > arrived + 3 * MS
+
+
 def test_the_advertised_max_ack_delay_covers_the_delay(link: Link) -> None:
     # What the gateway's loss timers allow for, from the server's transport parameters.
     assert link.client._loss.max_ack_delay >= ACK_DELAY_S + 4 * MS

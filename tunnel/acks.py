@@ -19,12 +19,13 @@ acknowledges, within what RFC 9000 §13.2 allows:
   once, which helps the gateway detect loss (§13.2.1);
 - any packet that carries stream data carries the pending ACK with it.
 
-Initial and Handshake packets keep aioquic's timing; the handshake is not
-slowed. A packet that needs no ACK, arriving while one waits, is treated
-as a second packet: the hook sees the packet space, not the frames. This
-reaches into aioquic internals (`receive_datagram`, `_write_application`,
-`_spaces`); it is kept to this module and pinned by tests against the
-aioquic version the project locks.
+Only ack-eliciting packets count: the gateway's ACK of one response,
+arriving after its next request, leaves that request's ACK to ride on its
+own response (§13.2.1 asks for an immediate ACK only for ack-eliciting
+packets). Initial and Handshake packets keep aioquic's timing; the
+handshake is not slowed. This reaches into aioquic internals
+(`receive_datagram`, `_write_application`, `_spaces`); it is kept to this
+module and pinned by tests against the aioquic version the project locks.
 """
 
 from __future__ import annotations
@@ -57,8 +58,17 @@ def delay_acknowledgements(quic: QuicConnection, *, delay_s: float = ACK_DELAY_S
             return
         pending = space.ack_at
         largest = space.largest_received_packet
-        receive_datagram(data, addr, now)
-        if space.ack_at is None:  # nothing asks for an ACK
+        # aioquic sets `ack_at` only for an ack-eliciting packet and only when it
+        # is unset, so clearing it first tells such a packet from one that needs
+        # no ACK (the gateway's ACK of a response), which leaves `pending` alone.
+        space.ack_at = None
+        try:
+            receive_datagram(data, addr, now)
+        finally:
+            asks_for_ack = space.ack_at is not None
+            if not asks_for_ack:
+                space.ack_at = pending
+        if not asks_for_ack:
             return
         # A datagram holds at most one 1-RTT packet: its short header runs to the end.
         step = space.largest_received_packet - largest
