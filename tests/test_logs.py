@@ -10,11 +10,14 @@ import io
 import json
 import logging
 import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from pylon.logs import NOISY_LOGGERS, HumanFormatter, JsonFormatter, configure_logging
 
@@ -136,3 +139,16 @@ def test_configure_logging_human_for_dev_and_quiet_libraries() -> None:
 def test_configure_logging_rejects_an_unknown_level() -> None:
     with pytest.raises(ValueError, match="log level"):
         configure_logging(level="verbose", human=False)
+
+
+@given(st.lists(st.floats(min_value=0, max_value=4e9), min_size=1, max_size=20))
+def test_json_timestamps_match_strftime_in_any_order(created: list[float]) -> None:
+    """The formatter keeps the current second's text; each line still gets its own time."""
+    formatter = JsonFormatter()
+    for moment in sorted(created) + created:  # in order, then jumping back and forth
+        record = logging.makeLogRecord({"msg": "m"})
+        record.created = moment
+        record.msecs = (moment - int(moment)) * 1000
+        expected = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(moment))
+        expected += f".{int(record.msecs):03d}Z"
+        assert json.loads(formatter.format(record))["ts"] == expected
