@@ -109,23 +109,30 @@ def test_the_quic_timer_is_re_armed_only_for_an_earlier_deadline(tmp_path: Path)
             warm = await client.request("POST", CHAT, headers=tunnel_headers("warm"), body=BODY)
             await warm.read()
             (protocol,) = s.pylon.tunnel.registry.connections
-            counts = {"transmits": 0, "armed": 0, "late": 0}
+            counts = {"transmits": 0, "armed": 0, "needless": 0, "late": 0}
             transmit = protocol.transmit
 
             def counted_transmit() -> None:
-                timer = protocol._timer
+                timer, armed_at = protocol._timer, protocol._timer_at
                 transmit()
                 counts["transmits"] += 1
-                counts["armed"] += protocol._timer is not timer and protocol._timer is not None
+                rearmed = protocol._timer is not timer and protocol._timer is not None
+                counts["armed"] += rearmed
                 deadline = protocol._quic.get_timer()
+                if rearmed and timer is not None and armed_at is not None and deadline is not None:
+                    # The pending timer would have fired in time, yet was replaced.
+                    counts["needless"] += armed_at <= deadline
                 if deadline is not None and protocol._timer_at is not None:
                     counts["late"] += protocol._timer_at > deadline
 
             protocol.transmit = counted_transmit  # type: ignore[method-assign]
             await requests_one_at_a_time(client, requests)
-            assert counts["late"] == 0  # never armed past the connection's deadline
+            assert counts["late"] == 0, counts  # never armed past the connection's deadline
+            assert counts["needless"] == 0, counts
             assert counts["transmits"] >= 2 * requests
-            assert counts["armed"] <= counts["transmits"] // 4, counts
+            # How often a new timer is due depends on the machine's pace (one per ACK
+            # delay at most); the timer stays on most transmits all the same.
+            assert counts["transmits"] - counts["armed"] >= requests, counts
 
     run(scenario())
 
