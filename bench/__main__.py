@@ -8,11 +8,15 @@ when matplotlib is installed).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shlex
+import signal
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict
 from pathlib import Path
+from types import FrameType
+from typing import NoReturn
 
 from bench.compare import DEFAULTS, CompareOptions, run_compare
 from bench.drivers import Target
@@ -298,8 +302,33 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 }
 
 
+# `kill`, `timeout` and a closed terminal send these, not SIGINT.
+TERMINATIONS = (signal.SIGTERM, signal.SIGHUP)
+
+
+def _interrupt(_signum: int, _frame: FrameType | None) -> NoReturn:
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def _terminations_interrupt() -> Iterator[None]:
+    """Unwind on SIGTERM or SIGHUP as on Ctrl-C, so the `finally` blocks stop every
+    process the bench started instead of leaving the engine and Pylon running."""
+    previous = {termination: signal.signal(termination, _interrupt) for termination in TERMINATIONS}
+    try:
+        yield
+    finally:
+        for termination, handler in previous.items():
+            signal.signal(termination, handler)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     namespace = build_parser().parse_args(argv)
+    with _terminations_interrupt():
+        return _run(namespace)
+
+
+def _run(namespace: argparse.Namespace) -> int:
     try:
         return COMMANDS[namespace.command](namespace)
     except KeyboardInterrupt:

@@ -32,6 +32,17 @@ def in_ci() -> bool:
     return os.environ.get("CI", "").lower() == "true"
 
 
+def process_alive(pid: int) -> bool:
+    """Whether `pid` runs: a zombie, exited but not yet reaped, does not count."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with contextlib.suppress(OSError):  # a zombie still answers kill(0)
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    return False
+
+
 def run(coro: Coroutine[Any, Any, T], *, timeout_s: float = 60.0) -> T:
     """Run one async test body with a hard bound, so a hang fails instead of stalling CI."""
 

@@ -7,9 +7,11 @@ shape and counts of what the bench writes, never how fast anything was.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -35,7 +37,7 @@ from bench.sse import StreamObserver
 from bench.stats import Record, difference, median, median_summary, percentile, ratio, summarize
 from bench.table import fmt_mib, fmt_ms, fmt_ratio, format_table
 from bench.workloads import interleave, parse_classes, priority, small, stream, with_headers
-from tests.harness import in_ci
+from tests.harness import in_ci, process_alive
 
 
 @pytest.mark.parametrize(
@@ -548,6 +550,37 @@ def test_soak_smoke_writes_windows_and_figures(tmp_path: Path) -> None:
     assert written["options"]["pylon_args"] == ["--workers", "2"]
     assert len(written["windows"][0]["pids"]) == 3  # the supervisor and its two workers
     assert written["machine"]["background_busy_cores"] is not None
+
+
+@pytest.mark.e2e
+def test_a_terminated_bench_stops_every_process_it_started(tmp_path: Path) -> None:
+    # `kill` and `timeout` send SIGTERM: the engine and Pylon must not outlive the bench.
+    argv = ["soak", "--duration-s", "120", "--window-s", "60", "--concurrency", "2"]
+    argv += ["--tokens", "3", "--token-delay-ms", "50", "--workers", "1", "--out", str(tmp_path)]
+    progress = tmp_path / "progress.log"
+    with progress.open("wb") as stderr:
+        bench = subprocess.Popen(
+            [sys.executable, "-m", "bench", *argv], stdout=subprocess.DEVNULL, stderr=stderr
+        )
+    started: list[int] = []
+    try:
+        deadline = time.monotonic() + 60.0
+        while "window 1/" not in progress.read_text():
+            assert bench.poll() is None, progress.read_text()
+            assert time.monotonic() < deadline, "no window started in 60 s"
+            time.sleep(0.1)
+        started = procfs.process_tree(bench.pid)[1:]
+        assert len(started) >= 2  # at least the engine and Pylon
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(timeout=30) == 130
+        assert "interrupted" in progress.read_text()
+        assert [pid for pid in started if process_alive(pid)] == []
+    finally:
+        bench.kill()
+        bench.wait()
+        for pid in started:  # what a failed run left behind
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 @pytest.mark.parametrize(

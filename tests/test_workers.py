@@ -31,7 +31,7 @@ from pylon.config import AuthSettings, Settings, TlsSettings, UpstreamSettings
 from pylon.devcert import ensure_dev_certificate
 from pylon.metrics_merge import merge_expositions, render, rule_for
 from pylon.supervisor import PoolTiming, start_supervisor, worker_settings
-from tests.harness import CHAT, eventually, run, tunnel_headers
+from tests.harness import CHAT, eventually, process_alive, run, tunnel_headers
 from tests.test_admin import documented_metrics
 from tunnel.client import H3Client, client_configuration, open_client
 
@@ -209,16 +209,6 @@ async def pylon_workers(engine: MockEngine, tmp_path: Path, workers: int) -> Asy
 
 async def _is_ready(tree: Tree) -> bool:
     return await tree.readyz() == 200
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with contextlib.suppress(OSError):  # a zombie still answers kill(0)
-        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
-    return False
 
 
 async def _requests_on_one_connection(port: int, name: str, count: int) -> list[int]:
@@ -504,7 +494,7 @@ def test_sigterm_drains_every_worker_and_leaves_no_process(tmp_path: Path) -> No
                 assert all(response.status == 200 for response in responses)
                 assert all(body == expected for body in bodies), "an in-flight stream was cut"
                 assert await asyncio.wait_for(tree.process.wait(), 20) == 0
-                assert not [pid for pid in tree.worker_admin_ports if _alive(pid)]
+                assert not [pid for pid in tree.worker_admin_ports if process_alive(pid)]
         finally:
             await engine.close()
 
@@ -552,7 +542,7 @@ def test_a_hung_worker_is_killed_and_restarted(tmp_path: Path) -> None:
                 )
 
             assert await eventually(replaced, within_s=20), "hung worker not replaced"
-            assert not _alive(hung.pid)
+            assert not process_alive(hung.pid)
             statuses = await asyncio.gather(
                 *(_requests_on_one_connection(supervisor.port, f"h{n}", 2) for n in range(6))
             )
