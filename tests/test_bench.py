@@ -28,6 +28,7 @@ from bench.__main__ import main
 from bench.caddy import caddyfile
 from bench.compare import CompareOptions, run_compare
 from bench.drivers import Target
+from bench.experiments import quic_stacks
 from bench.load import LoadSpec, run_load
 from bench.output import cdf
 from bench.priority import PriorityOptions, run_priority
@@ -645,3 +646,23 @@ def test_soak_smoke_with_python_heap_records_the_traced_heap(tmp_path: Path) -> 
     assert all(d["traced_bytes"] > MIB for d in dumps)  # Pylon's imports alone are more
     assert dumps[0]["growth_since_first"] == []
     assert "traced heap MiB" in soak_report.heap_table(written["windows"])
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("h3", [False, True])
+def test_quic_stacks_smoke_answers_every_request(h3: bool) -> None:
+    runs = quic_stacks.run_rounds(("aioquic",), rounds=1, requests=20, concurrency=3, h3=h3)
+    assert [(run.stack, run.requests) for run in runs] == [("aioquic", 20)]
+    assert runs[0].server_cpu_s >= 0 and runs[0].wall_s > 0
+
+
+def test_quic_stacks_report_gives_medians_and_their_ratio() -> None:
+    runs = [quic_stacks.StackRun("aioquic", 100, cpu, 1.0) for cpu in (0.050, 0.040, 0.060)] + [
+        quic_stacks.StackRun("aiopquic", 100, cpu, 1.0) for cpu in (0.010, 0.030, 0.020)
+    ]
+    assert quic_stacks.report(runs).splitlines() == [
+        "server CPU per request, median of 3 rounds:",
+        "  aioquic     500.0 us",
+        "  aiopquic    200.0 us",
+        "  aiopquic/aioquic 0.40x",
+    ]
