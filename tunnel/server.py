@@ -85,6 +85,20 @@ def timer_can_stay(armed_at: float | None, deadline: float | None) -> bool:
     return armed_at is not None and deadline is not None and armed_at <= deadline
 
 
+async def serve_stream(handler: Handler, stream: TunnelStream) -> None:
+    """Run the handler on one request stream. A stream the handler left unfinished, or
+    failed on, is reset: the gateway must never read a cut response as a whole one."""
+    try:
+        await handler(stream)
+        if not stream.finished:
+            stream.reset(ErrorCode.H3_INTERNAL_ERROR)
+    except asyncio.CancelledError:
+        stream.reset(ErrorCode.H3_REQUEST_CANCELLED)
+    except Exception:
+        logger.exception("handler failed on stream %d", stream.stream_id)
+        stream.reset(ErrorCode.H3_INTERNAL_ERROR)
+
+
 KEEPALIVE_PING_UID = 0
 """aioquic reports PING acknowledgements by uid; `ping()` waiters use id() values, never 0."""
 
@@ -274,14 +288,7 @@ class TunnelProtocol(QuicConnectionProtocol):
 
     async def _run_handler(self, stream: TunnelStream) -> None:
         try:
-            await self._handler(stream)
-            if not stream.finished:
-                stream.reset(ErrorCode.H3_INTERNAL_ERROR)
-        except asyncio.CancelledError:
-            stream.reset(ErrorCode.H3_REQUEST_CANCELLED)
-        except Exception:
-            logger.exception("handler failed on stream %d", stream.stream_id)
-            stream.reset(ErrorCode.H3_INTERNAL_ERROR)
+            await serve_stream(self._handler, stream)
         finally:
             self._finish_stream(stream)
 

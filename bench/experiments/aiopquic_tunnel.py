@@ -43,7 +43,7 @@ from cryptography.hazmat.primitives import serialization
 import pylon.app
 from tunnel.h3 import RequestMalformed, TunnelH3Connection
 from tunnel.listener import ConnectionRegistry
-from tunnel.server import TunnelOptions
+from tunnel.server import TunnelOptions, serve_stream
 from tunnel.stream import Handler, TunnelStream
 from tunnel.types import HeaderList, MalformedRequest
 from tunnel.validation import parse_request_head
@@ -133,14 +133,7 @@ class AiopquicTunnelProtocol(_protocol.QuicConnectionProtocol):  # type: ignore[
 
     async def _run_handler(self, stream: TunnelStream) -> None:
         try:
-            await self._handler(stream)
-            if not stream.finished:
-                stream.reset(ErrorCode.H3_INTERNAL_ERROR)
-        except asyncio.CancelledError:
-            stream.reset(ErrorCode.H3_REQUEST_CANCELLED)
-        except Exception:
-            logger.exception("handler failed on stream %d", stream.stream_id)
-            stream.reset(ErrorCode.H3_INTERNAL_ERROR)
+            await serve_stream(self._handler, stream)
         finally:
             self.streams.pop(stream.stream_id, None)
             self._tasks.pop(stream.stream_id, None)
