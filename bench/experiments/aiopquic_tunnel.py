@@ -10,9 +10,9 @@ does its own way:
 
 - no client certificates: aiopquic's server never asks for one, so
   `--client-ca` cannot work (bearer tokens, checked by the service, still do);
-- it binds [::]:port on every address, whatever `--listen` names, and owns
-  its socket, so `--workers` (the SO_REUSEPORT group, connection-ID steering)
-  does not apply;
+- it binds the port on every address (0.0.0.0 and [::]), whatever `--listen`
+  names, and owns its socket, so `--workers` (the SO_REUSEPORT group,
+  connection-ID steering) does not apply;
 - request-body credit is aiopquic's own (returned as the tunnel reads events,
   not as the handler consumes the body), and the connection, stream and
   header-frame limits, GOAWAY on drain, keep-alive PINGs and 0-RTT are not

@@ -131,7 +131,7 @@ async def _serve_aiopquic(port: int, cert: Path, key: Path, *, h3: bool) -> Any:
         certificate_file=str(cert),
         private_key_file=str(key),
     )
-    # aiopquic binds [::]:port on every address; the client still connects over loopback.
+    # aiopquic binds the port on every address; the client still connects over loopback.
     return await server.serve(HOST, port, configuration=settings, create_protocol=Server)
 
 
