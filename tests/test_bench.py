@@ -38,7 +38,7 @@ from bench.sse import StreamObserver
 from bench.stats import Record, difference, median, median_summary, percentile, ratio, summarize
 from bench.table import fmt_mib, fmt_ms, fmt_ratio, format_table
 from bench.workloads import interleave, parse_classes, priority, small, stream, with_headers
-from tests.harness import in_ci, process_alive
+from tests.harness import eventually, in_ci, process_alive, run
 
 
 @pytest.mark.parametrize(
@@ -565,11 +565,12 @@ def test_a_terminated_bench_stops_every_process_it_started(tmp_path: Path) -> No
         )
     started: list[int] = []
     try:
-        deadline = time.monotonic() + 60.0
-        while "window 1/" not in progress.read_text():
-            assert bench.poll() is None, progress.read_text()
-            assert time.monotonic() < deadline, "no window started in 60 s"
-            time.sleep(0.1)
+
+        def window_started_or_bench_gone() -> bool:
+            return "window 1/" in progress.read_text() or bench.poll() is not None
+
+        assert run(eventually(window_started_or_bench_gone, within_s=60.0)), "no window in 60 s"
+        assert bench.poll() is None, progress.read_text()
         started = procfs.process_tree(bench.pid)[1:]
         assert len(started) >= 2  # at least the engine and Pylon
         bench.send_signal(signal.SIGTERM)
@@ -577,9 +578,7 @@ def test_a_terminated_bench_stops_every_process_it_started(tmp_path: Path) -> No
         assert "interrupted" in progress.read_text()
         # multiprocessing's resource tracker leaves a moment after the bench; an
         # orphaned engine or Pylon would still be running long after that.
-        deadline = time.monotonic() + 10.0
-        while [pid for pid in started if process_alive(pid)] and time.monotonic() < deadline:
-            time.sleep(0.1)
+        run(eventually(lambda: not any(map(process_alive, started)), within_s=10.0))
         assert [pid for pid in started if process_alive(pid)] == []
     finally:
         bench.kill()
