@@ -77,6 +77,7 @@ def _running(
     log_dir: Path,
     ready: Callable[[], bool],
     env: dict[str, str] | None = None,
+    ready_timeout_s: float = READY_TIMEOUT_S,
 ) -> Iterator[Service]:
     log_path = log_dir / f"{name}.log"
     with log_path.open("ab") as log:
@@ -85,7 +86,7 @@ def _running(
         )
     service = Service(name, process, port, log_path)
     try:
-        wait_for(service, ready, timeout_s=READY_TIMEOUT_S, exited="at start-up", late="ready")
+        wait_for(service, ready, timeout_s=ready_timeout_s, exited="at start-up", late="ready")
         yield service
     finally:
         _stop(process)
@@ -180,6 +181,7 @@ def pylon(
     extra_args: Sequence[str] = (),
     name: str = "pylon",
     command: Sequence[str] = (),
+    ready_timeout_s: float = READY_TIMEOUT_S,
 ) -> Iterator[Service]:
     """`pylon serve` on a free UDP port, ready when its /readyz says so.
 
@@ -196,7 +198,15 @@ def pylon(
     argv += ["--token-file", str(token_file)] if token_file else ["--insecure-no-auth"]
     argv += ["--listen", f"{HOST}:{port}", "--admin-listen", f"{HOST}:{admin_port}", *extra_args]
     ready = _http_ok(f"http://{HOST}:{admin_port}/readyz")
-    with _running(name, argv, port=port, log_dir=log_dir, ready=ready, env=_python_env()) as s:
+    with _running(
+        name,
+        argv,
+        port=port,
+        log_dir=log_dir,
+        ready=ready,
+        env=_python_env(),
+        ready_timeout_s=ready_timeout_s,
+    ) as s:
         yield s
 
 

@@ -28,7 +28,7 @@ from bench.__main__ import main
 from bench.caddy import caddyfile
 from bench.compare import CompareOptions, run_compare
 from bench.drivers import Target
-from bench.experiments import quic_stacks
+from bench.experiments import instructions, quic_stacks
 from bench.load import LoadSpec, run_load
 from bench.output import cdf
 from bench.priority import PriorityOptions, run_priority
@@ -670,3 +670,41 @@ def test_quic_stacks_report_gives_medians_and_their_ratio() -> None:
         "  aiopquic    200.0 us",
         "  aiopquic/aioquic 0.40x",
     ]
+
+
+def _require_valgrind() -> None:
+    if instructions.valgrind_binary() is None:
+        if in_ci():
+            pytest.fail("valgrind is required in CI (apt-get install -y valgrind)")
+        pytest.skip("valgrind not installed")
+
+
+def test_instructions_counts_only_the_measured_requests_under_callgrind() -> None:
+    _require_valgrind()
+    count = instructions.count_once("pylon", instructions.PYLON_COMMAND, requests=3, warmup=2)
+    assert count.requests == 3
+    # A small request is a few million instructions (Pylon's start-up, uncounted, is
+    # billions); a dump with instrumentation left off would hold none.
+    assert 2e5 < count.per_request < 5e7
+
+
+def test_instructions_report_gives_medians_spread_and_ratio() -> None:
+    counts = [instructions.Count("pylon", 100, n) for n in (200_000_000, 210_000_000)] + [
+        instructions.Count("candidate", 100, n) for n in (190_000_000, 180_000_000)
+    ]
+    assert instructions.report(counts).splitlines() == [
+        "Pylon's user-space instructions per small request (callgrind), one at a time:",
+        "  pylon      median   2.050 M  (rounds 2.000, 2.100; spread 4.9%)",
+        "  candidate  median   1.850 M  (rounds 1.900, 1.800; spread 5.4%)",
+        "  candidate/pylon 0.902x",
+    ]
+
+
+def test_instructions_reads_the_newest_dump(tmp_path: Path) -> None:
+    older, newer = tmp_path / "callgrind-pylon.out.1", tmp_path / "callgrind-pylon.out.2"
+    older.write_bytes(b"events: Ir\nsummary: 5\n")
+    newer.write_bytes(b"events: Ir\ntotals: 1234\n")
+    os.utime(older, ns=(1, 1))
+    assert instructions.dumped_instructions(tmp_path, "callgrind-pylon.out") == 1234
+    with pytest.raises(RuntimeError, match="no dump"):
+        instructions.dumped_instructions(tmp_path, "callgrind-candidate.out")
