@@ -8,12 +8,21 @@ from __future__ import annotations
 
 import itertools
 import ssl
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
+import aioquic.h3.connection
 import pylsqpack
 import pytest
-from aioquic.h3.connection import H3_ALPN, ErrorCode, FrameType, H3Connection, encode_frame
+from aioquic.h3.connection import (
+    H3_ALPN,
+    ErrorCode,
+    FrameType,
+    H3Connection,
+    MessageError,
+    encode_frame,
+    validate_request_headers,
+)
 from aioquic.h3.events import DataReceived, H3Event, HeadersReceived
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
@@ -22,7 +31,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pylon.devcert import ensure_dev_certificate
-from tunnel.h3 import RequestMalformed, TunnelH3Connection
+from tunnel.h3 import (
+    RequestMalformed,
+    TunnelH3Connection,
+    aioquic_validate_header_name,
+    aioquic_validate_header_value,
+    header_name_passes,
+    header_value_passes,
+)
 from tunnel.types import MalformedRequest
 from tunnel.validation import parse_request_head
 
@@ -264,3 +280,48 @@ def test_a_body_fragment_skips_the_stream_context_manager(
         StreamDataReceived(data=b"a" * 20, end_stream=False, stream_id=stream_id)
     )
     assert events == [DataReceived(data=b"a" * 20, stream_id=stream_id, stream_ended=False)]
+
+
+def _aioquic_accepts(check: Callable[..., None], *args: bytes) -> bool:
+    try:
+        check(*args)
+    except MessageError:
+        return False
+    return True
+
+
+FIELD_BYTES = st.binary(max_size=24) | st.lists(
+    st.sampled_from(b"aZ:-\x00\n\r \t\x7f\x80\x20\x21\x40\x41\x5a\x5b"), max_size=12
+).map(bytes)
+"""Arbitrary bytes, and strings built from the bytes at the edges of each rule."""
+
+
+@given(FIELD_BYTES)
+def test_the_fast_name_check_passes_only_what_aioquic_accepts(name: bytes) -> None:
+    assert header_name_passes(name) == _aioquic_accepts(aioquic_validate_header_name, name)
+
+
+@given(FIELD_BYTES)
+def test_the_fast_value_check_passes_only_what_aioquic_accepts(value: bytes) -> None:
+    assert header_value_passes(value) == _aioquic_accepts(
+        aioquic_validate_header_value, b"k", value
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "reason"),
+    [
+        (b"X-Upper", b"v", "contains invalid characters"),
+        (b"x:colon", b"v", "contains a non-initial colon"),
+        (b"x-nul", b"a\x00b", "value has forbidden characters"),
+        (b"x-lead", b" v", "value starts with whitespace"),
+        (b"x-trail", b"v\t", "value ends with whitespace"),
+    ],
+)
+def test_a_field_aioquic_rejects_gets_aioquics_own_error(
+    name: bytes, value: bytes, reason: str
+) -> None:
+    # Through aioquic's request parsing, which calls the installed checks.
+    assert aioquic.h3.connection.validate_header_name is not aioquic_validate_header_name
+    with pytest.raises(MessageError, match=reason):
+        validate_request_headers([*GOOD_HEAD, (name, value)])

@@ -65,6 +65,7 @@ def callgrind_argv(out_file: Path, command: Sequence[str]) -> list[str]:
         "valgrind",
         "--tool=callgrind",
         "--instr-atstart=no",
+        "--trace-children=yes",  # through `env -C` and other launchers
         f"--callgrind-out-file={out_file}",
         *command,
     ]
