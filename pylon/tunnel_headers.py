@@ -18,6 +18,8 @@ PRIORITY = b"x-priority"
 EXPECTED_QUEUE_MS = b"x-stargate-expected-queue-ms"
 
 MAX_REQUEST_ID_LENGTH = 128
+_VISIBLE_ASCII = bytes(range(0x21, 0x7F))
+"""The bytes a request id may hold; deleting them (`bytes.translate`) leaves none."""
 U32_MAX = 2**32 - 1
 _U32_DIGITS = 10
 
@@ -76,7 +78,7 @@ def _request_id(values: list[bytes], *, required: bool) -> str | None:
             raise BadTunnelHeader("x-request-id is required")
         return None
     value = values[0]
-    if not 1 <= len(value) <= MAX_REQUEST_ID_LENGTH or not all(0x21 <= b <= 0x7E for b in value):
+    if not 1 <= len(value) <= MAX_REQUEST_ID_LENGTH or value.translate(None, _VISIBLE_ASCII):
         raise BadTunnelHeader("x-request-id must be 1..128 visible ASCII characters")
     return value.decode("ascii")
 

@@ -11,7 +11,7 @@ from backends.config import DynamoConfig, PassthroughConfig, SglangConfig, VllmC
 from backends.priority import AbsentPriority, PriorityPolicy
 from backends.registry import build_adapter
 from pylon.errors import BadTunnelHeader, PylonError, RouteNotAllowed
-from pylon.pipeline import Derivation, PipelineOptions, plan_request
+from pylon.pipeline import Derivation, PipelineOptions, header_section_size, plan_request
 from tunnel.types import RequestHead
 
 POLICY = PriorityPolicy()
@@ -135,3 +135,13 @@ def test_any_header_list_plans_or_raises_a_pylon_error(backend: str, headers: li
     assert names.count(b"x-request-id") == 1
     denied = {n.encode() for n in adapter.all_denied_headers()}
     assert not denied & set(names) - {n.encode() for n in adapter.derived_header_names()}
+
+
+@pytest.mark.parametrize(("authority", "expected"), [("a", 207), ("", 164)])
+def test_header_section_size_counts_each_field_as_rfc9114_does(
+    authority: str, expected: int
+) -> None:
+    # name + value + 32 per field: :method POST 43, :scheme https 44, :path /v1 40,
+    # :authority a 43 (only when present), x-a: bc 37.
+    head = RequestHead("POST", "https", authority, "/v1", ((b"x-a", b"bc"),))
+    assert header_section_size(head) == expected

@@ -119,6 +119,25 @@ def test_bad_tunnel_headers_rejected(headers: list[Header]) -> None:
         _parse(*headers)
 
 
+@given(
+    st.one_of(
+        st.binary(max_size=140),
+        st.binary(min_size=1, max_size=140).map(
+            lambda raw: bytes(0x21 + b % 0x5E for b in raw)  # visible ASCII only
+        ),
+    )
+)
+def test_request_id_is_one_to_128_visible_ascii_bytes(value: bytes) -> None:
+    expected = 1 <= len(value) <= 128 and all(0x21 <= b <= 0x7E for b in value)
+    try:
+        parsed = _parse((b"x-request-id", value))
+    except BadTunnelHeader:
+        assert not expected
+    else:
+        assert expected
+        assert parsed == (value.decode("ascii"), None)
+
+
 def test_health_requests_need_no_request_id() -> None:
     assert _parse(require=False) == (None, None)
 

@@ -81,12 +81,11 @@ def delay_acknowledgements(quic: QuicConnection, *, delay_s: float = ACK_DELAY_S
 
     def write_application_with_ack(builder: Any, network_path: Any, now: float) -> None:
         space = quic._spaces[_ONE_RTT]
-        if (
-            space.ack_at is not None
-            and space.ack_at > now
-            and any(not stream.sender.buffer_is_empty for stream in quic._streams_queue)
-        ):
-            space.ack_at = now  # the first packet with stream data carries it
+        if space.ack_at is not None and space.ack_at > now:
+            for stream in quic._streams_queue:  # a loop, not any(): it runs every transmit
+                if not stream.sender.buffer_is_empty:
+                    space.ack_at = now  # the first packet with stream data carries it
+                    break
         write_application(builder, network_path, now)
 
     quic.receive_datagram = receive_and_schedule_ack  # type: ignore[method-assign]
