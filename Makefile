@@ -6,12 +6,27 @@ BIN := $(VENV)/bin
 CHECKOV_VENV := .tools/checkov
 TEST_PATH := $(CURDIR)/$(BIN):$(PATH):$(CURDIR)/$(CHECKOV_VENV)/bin
 
-.PHONY: install tools run test lint typecheck pytest lock
+# Pylon on an interpreter built with PGO and LTO, as the container's
+# (python:3.11-slim) is; Debian's python3.11 is one (apt-get install -y
+# python3.11-venv). For benches: docs/performance.md, "The interpreter".
+OPTIMIZED_PYTHON ?= /usr/bin/python3.11
+OPTIMIZED_VENV ?= .venv-optimized
+
+# $(1): the interpreter, $(2): the venv it makes, with the locked dependency set.
+define locked_venv
+	$(1) -m venv $(2)
+	$(2)/bin/pip install --quiet --upgrade pip
+	$(2)/bin/pip install --quiet -c requirements.lock -e ".[dev]"
+endef
+
+.PHONY: install tools run test lint typecheck pytest lock optimized-venv
 
 $(BIN)/.installed: pyproject.toml requirements.lock
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -c requirements.lock -e ".[dev]"
+	$(call locked_venv,$(PYTHON),$(VENV))
+	touch $@
+
+$(OPTIMIZED_VENV)/.installed: pyproject.toml requirements.lock
+	$(call locked_venv,$(OPTIMIZED_PYTHON),$(OPTIMIZED_VENV))
 	touch $@
 
 $(CHECKOV_VENV)/.installed: requirements-checkov.lock
@@ -23,6 +38,8 @@ $(CHECKOV_VENV)/.installed: requirements-checkov.lock
 install: $(BIN)/.installed
 
 tools: $(CHECKOV_VENV)/.installed
+
+optimized-venv: $(OPTIMIZED_VENV)/.installed
 
 run: install
 	$(BIN)/pylon serve --dev
