@@ -259,7 +259,7 @@ class TunnelProtocol(QuicConnectionProtocol):
         self._credit.track(stream_id)
         stream.feed(b"", end=ended)
         self.streams[stream_id] = stream
-        task = asyncio.ensure_future(self._run_handler(stream))
+        task = self._loop.create_task(self._run_handler(stream))
         self._tasks[stream_id] = task
 
     def _hand_over(self, stream_id: int) -> None:
