@@ -22,7 +22,7 @@ from bench import compare_report, stack
 from bench.drivers import Target
 from bench.load import LoadSpec, run_load
 from bench.measure import measure
-from bench.output import machine, results_dir, write_json
+from bench.output import interpreter, machine, results_dir, write_json
 from bench.plots import compare_plots
 from bench.progress import note
 from bench.stats import Record, Summary, error_counts, median_summary
@@ -145,6 +145,8 @@ def run_compare(options: CompareOptions) -> dict[str, Any]:
                 )
             )
             paths[name] = _Path(Target("h3", stack.HOST, service.port), service, pylon_pattern)
+            host.setdefault("interpreters", {})[name] = described = interpreter(service.pid)
+            note(f"{name} runs on {_interpreter_text(described)}")
         if options.with_caddy and stack.caddy_binary() is not None:
             caddy = running.enter_context(
                 stack.caddy(
@@ -159,6 +161,18 @@ def run_compare(options: CompareOptions) -> dict[str, Any]:
         elif options.with_caddy:
             note("caddy not found: comparing without it (apt-get install -y caddy)")
         return _rounds(options, out, engine, paths, host)
+
+
+def _interpreter_text(described: dict[str, Any] | None) -> str:
+    if described is None:
+        return "no Python found in its process tree"
+    if "version" not in described:
+        return f"{described['executable']} (not described)"
+    flags = ", ".join(described["build_flags"]) or "no PGO/LTO flags recorded"
+    linked = "shared" if described["shared_libpython"] else "static"
+    return (
+        f"Python {described['version']} at {described['executable']} ({flags}; {linked} libpython)"
+    )
 
 
 def _rounds(

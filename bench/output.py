@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.procfs import background_busy_cores
+from bench.procfs import background_busy_cores, process_tree
 from bench.progress import note
 from bench.stats import percentile
 
@@ -47,6 +47,65 @@ def machine() -> dict[str, Any]:
         "platform": platform.platform(),
         "caddy": _version(["caddy", "version"]),
     }
+
+
+BUILD_FLAGS = ("--enable-optimizations", "--with-lto")
+"""The configure flags that change how fast the interpreter runs Python: PGO and LTO."""
+
+_DESCRIBE_INTERPRETER = (
+    "import json, sys, sysconfig; print(json.dumps({'version': sys.version.split()[0],"
+    " 'config_args': sysconfig.get_config_var('CONFIG_ARGS') or ''}))"
+)
+
+
+def build_flags(config_args: str) -> list[str]:
+    """Which of BUILD_FLAGS an interpreter's recorded configure arguments hold."""
+    recorded = {arg.strip("'\"").split("=")[0] for arg in config_args.split()}
+    return [flag for flag in BUILD_FLAGS if flag in recorded]
+
+
+def maps_libpython(maps: str) -> bool:
+    """Whether a process's memory map (/proc/<pid>/maps) holds a shared libpython,
+    which costs the interpreter's own calls an indirection. The map, not the
+    configure arguments: Debian records `--enable-shared` for a static binary."""
+    return any(
+        os.path.basename(line.split()[-1]).startswith("libpython")
+        for line in maps.splitlines()
+        if len(line.split()) >= 6
+    )
+
+
+def interpreter(pid: int) -> dict[str, Any] | None:
+    """The Python that runs process `pid` (or the first Python below it, behind a
+    launcher): its executable, version and build flags. Figures for Pylon depend on
+    the build as much as on Pylon (docs/performance.md, "The interpreter").
+
+    Some distributions build with PGO and LTO but record other configure
+    arguments (Debian's static interpreter), so no flag is not proof of none.
+    """
+    for member in process_tree(pid):
+        exe = os.path.realpath(f"/proc/{member}/exe")
+        if not os.path.basename(exe).startswith("python"):
+            continue
+        try:
+            shared = maps_libpython(Path(f"/proc/{member}/maps").read_text())
+            done = subprocess.run(
+                [exe, "-c", _DESCRIBE_INTERPRETER],
+                capture_output=True,
+                text=True,
+                timeout=30,
+                check=True,
+            )
+            described = json.loads(done.stdout)
+        except (OSError, subprocess.SubprocessError, ValueError):
+            return {"executable": exe}
+        return {
+            "executable": exe,
+            "version": described["version"],
+            "build_flags": build_flags(described["config_args"]),
+            "shared_libpython": shared,
+        }
+    return None
 
 
 def _version(argv: Sequence[str]) -> str | None:

@@ -30,7 +30,7 @@ from bench.compare import CompareOptions, run_compare
 from bench.drivers import Target
 from bench.experiments import instructions, quic_stacks
 from bench.load import LoadSpec, run_load
-from bench.output import cdf
+from bench.output import build_flags, cdf, interpreter, maps_libpython
 from bench.priority import PriorityOptions, run_priority
 from bench.soak import SoakOptions
 from bench.soak_report import MIB, Sample, least_squares_slope, second_half, soak_verdict
@@ -246,6 +246,61 @@ def test_user_system_cell_needs_both_parts() -> None:
     assert "0.500/0.100" in compare_report.paths_table({"pylon": split})
     alone = {"proxy_user_cpu_per_request_s": 0.0005}
     assert "0.500/" not in compare_report.paths_table({"pylon": alone})
+
+
+@pytest.mark.parametrize(
+    ("config_args", "expected"),
+    [
+        ("", []),
+        (
+            "'--prefix=/usr/local' '--enable-optimizations' '--enable-shared' '--with-lto'",
+            ["--enable-optimizations", "--with-lto"],
+        ),
+        ("'--enable-shared' '--prefix=/root/.pyenv/versions/3.11.7'", []),
+        ("--with-lto=full --enable-optimizations", ["--enable-optimizations", "--with-lto"]),
+        ("'--with-ltofoo' '--enable-optimizations-x'", []),
+    ],
+    ids=["none", "docker-official", "pyenv", "unquoted", "lookalikes"],
+)
+def test_build_flags_read_from_configure_args(config_args: str, expected: list[str]) -> None:
+    assert build_flags(config_args) == expected
+
+
+def test_maps_libpython_reads_the_mapped_files() -> None:
+    static = (
+        "55d0c0000000-55d0c0400000 r-xp 00000000 fe:01 1234 /usr/bin/python3.11\n"
+        "7f0000000000-7f0000100000 r-xp 00000000 fe:01 99 /usr/lib/x86_64-linux-gnu/libc.so.6\n"
+        "7ffd00000000-7ffd00021000 rw-p 00000000 00:00 0 [stack]\n"
+    )
+    shared = static + (
+        "7f1000000000-7f1000400000 r-xp 00000000 fe:01 77 "
+        "/root/.pyenv/versions/3.11.7/lib/libpython3.11.so.1.0\n"
+    )
+    assert not maps_libpython(static)
+    assert maps_libpython(shared)
+    assert not maps_libpython("7f00-7f01 rw-p 00000000 00:00 0\n")  # anonymous
+
+
+def test_interpreter_of_a_process_behind_a_launcher() -> None:
+    # Two commands, so the shell stays the parent instead of exec-ing Python.
+    sleeper = f"{sys.executable} -c 'import time; time.sleep(30)'; exit 0"
+    launcher = subprocess.Popen(["sh", "-c", sleeper])
+    try:
+        found = None
+        for _ in range(100):  # until the shell has started its child
+            found = interpreter(launcher.pid)
+            if found is not None:
+                break
+            time.sleep(0.05)
+        assert found is not None
+        assert found["executable"] == os.path.realpath(sys.executable)
+        assert found["version"] == sys.version.split()[0]
+        # The same executable as this process, so linked the same way.
+        own_maps = Path(f"/proc/{os.getpid()}/maps").read_text()
+        assert found["shared_libpython"] == maps_libpython(own_maps)
+    finally:
+        subprocess.run(["pkill", "-P", str(launcher.pid)], check=False)
+        launcher.wait(timeout=10)
 
 
 def test_process_tree_and_its_cpu_include_children() -> None:
@@ -483,6 +538,9 @@ def test_compare_smoke_writes_json_for_every_path(tmp_path: Path) -> None:
     result = run_compare(options)
     written = json.loads(next(tmp_path.glob("*-compare-stream/compare.json")).read_text())
     assert written["medians"].keys() == {"direct", "pylon", "candidate", "caddy"}
+    interpreters = written["machine"]["interpreters"]
+    assert interpreters.keys() == {"pylon", "candidate"}
+    assert interpreters["pylon"]["version"] == sys.version.split()[0]
     for path, summary in written["medians"].items():
         assert summary["requests"] == 4, path
         assert summary["ok"] == 4, written["rounds"][0]["errors"]
