@@ -16,7 +16,7 @@ OPTIMIZED_VENV ?= .venv-optimized
 define locked_venv
 	$(1) -m venv $(2)
 	$(2)/bin/pip install --quiet --upgrade pip
-	$(2)/bin/pip install --quiet -c requirements.lock -e ".[dev]"
+	$(2)/bin/pip install --quiet -c requirements.lock -e ".[dev,bench]"
 endef
 
 .PHONY: install tools run test lint typecheck pytest lock optimized-venv
