@@ -23,6 +23,7 @@ from bench.drivers import Target
 from bench.load import LoadSpec, run_load
 from bench.output import machine, results_dir, write_json
 from bench.priority import BACKENDS, DEFAULT_CLASSES, I32_MAX, PriorityOptions, run_priority
+from bench.procfs import parse_cpu_list
 from bench.progress import note
 from bench.sendpath import report as sendpath_report
 from bench.sendpath import run_sendpath
@@ -91,6 +92,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     compare.add_argument(
         "--streams-per-connection", type=int, default=64, help="HTTP/3 streams per QUIC connection"
+    )
+    compare.add_argument(
+        "--pin-proxy",
+        type=parse_cpu_list,
+        default=frozenset(),
+        metavar="CPUS",
+        help="run each proxy on these CPUs (e.g. 1 or 2-3) and everything else on the rest",
     )
     _load_shape(compare)
     _common(compare)
@@ -221,6 +229,7 @@ def run_compare_command(ns: argparse.Namespace) -> int:
         candidate_command=tuple(shlex.split(ns.candidate_command or "")),
         candidate_args=tuple(ns.candidate_arg),
         streams_per_connection=ns.streams_per_connection,
+        proxy_cpus=ns.pin_proxy,
         out_root=ns.out,
     )
     run_compare(options)

@@ -12,8 +12,10 @@ metric and of each per-round comparison (see `compare_report`).
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import tempfile
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,7 @@ from bench.load import LoadSpec, run_load
 from bench.measure import measure
 from bench.output import interpreter, machine, results_dir, write_json
 from bench.plots import compare_plots
+from bench.procfs import pin_tree
 from bench.progress import note
 from bench.stats import Record, Summary, error_counts, median_summary
 from bench.workloads import RequestSpec, small, stream, upload, with_headers
@@ -59,6 +62,10 @@ class CompareOptions:
     """Extra `pylon serve` flags for the candidate only (alone, they make a candidate
     of the stock Pylon with those flags, e.g. `--event-loop uvloop`)."""
     streams_per_connection: int = 64
+    proxy_cpus: frozenset[int] = frozenset()
+    """Pin each proxy (every Pylon process and thread, Caddy's threads) to these CPUs and
+    the bench, its load generators and the engine to the others, as a node gives a
+    proxy cores of its own. Empty: the scheduler places everything."""
     out_root: Path | None = None
 
 
@@ -117,6 +124,8 @@ def run_compare(options: CompareOptions) -> dict[str, Any]:
     host = machine()
     pattern = _pattern(options)
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as running:
+        if options.proxy_cpus:
+            running.enter_context(_others_off(options.proxy_cpus))
         tls = ensure_dev_certificate(Path(tmp) / "cert")
         token_file, auth = stack.write_token(Path(tmp)) if options.pylon_auth else (None, None)
         engine = running.enter_context(
@@ -144,6 +153,7 @@ def run_compare(options: CompareOptions) -> dict[str, Any]:
                     name=name,
                 )
             )
+            _pin(service, options.proxy_cpus)
             paths[name] = _Path(Target("h3", stack.HOST, service.port), service, pylon_pattern)
             host.setdefault("interpreters", {})[name] = described = interpreter(service.pid)
             note(f"{name} runs on {_interpreter_text(described)}")
@@ -157,10 +167,38 @@ def run_compare(options: CompareOptions) -> dict[str, Any]:
                     access_log=options.caddy_access_log,
                 )
             )
+            _pin(caddy, options.proxy_cpus)
             paths["caddy"] = _Path(Target("h3", stack.HOST, caddy.port), caddy, pattern)
         elif options.with_caddy:
             note("caddy not found: comparing without it (apt-get install -y caddy)")
         return _rounds(options, out, engine, paths, host)
+
+
+@contextlib.contextmanager
+def _others_off(proxy_cpus: frozenset[int]) -> Iterator[None]:
+    """Keep this process, and what it starts from now on, off `proxy_cpus`; restored
+    on exit (tests run the bench in their own process)."""
+    allowed = frozenset(os.sched_getaffinity(0))
+    others = allowed - proxy_cpus
+    if not proxy_cpus <= allowed or not others:
+        raise ValueError(f"--pin-proxy {sorted(proxy_cpus)} must leave this process a CPU")
+    os.sched_setaffinity(0, others)
+    note(f"proxies on CPUs {sorted(proxy_cpus)}, everything else on {sorted(others)}")
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, allowed)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, Path):
+        return str(value)
+    return sorted(value) if isinstance(value, frozenset) else value
+
+
+def _pin(service: stack.Service, cpus: frozenset[int]) -> None:
+    if cpus:
+        pin_tree(service.pid, cpus)
 
 
 def _interpreter_text(described: dict[str, Any] | None) -> str:
@@ -239,7 +277,7 @@ def _report(
     checks = compare_report.target_checks(options.workload, medians, comparison)
     result = {
         "command": ["python", "-m", "bench", *sys.argv[1:]],
-        "options": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(options).items()},
+        "options": {k: _jsonable(v) for k, v in asdict(options).items()},
         "machine": host,
         "rounds": rounds,
         "medians": medians,

@@ -181,3 +181,38 @@ def reset_peak_rss(pid: int) -> bool:
         except OSError:
             refused = True
     return not refused
+
+
+def parse_cpu_list(text: str) -> frozenset[int]:
+    """A CPU list as Linux writes one ("1", "0,2", "2-3,6"); ValueError if malformed."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        first, _, last = part.strip().partition("-")
+        low = int(first)
+        high = int(last) if last else low
+        if low < 0 or high < low:
+            raise ValueError(f"bad CPU range {part!r}")
+        cpus.update(range(low, high + 1))
+    return frozenset(cpus)
+
+
+def pin_tree(pid: int, cpus: frozenset[int]) -> int:
+    """Run every thread of `pid` and of every process below it on `cpus` only; threads
+    and processes they start later inherit it. Returns how many threads were pinned."""
+    pinned = 0
+    for member in process_tree(pid):
+        for task in Path(f"/proc/{member}/task").glob("[0-9]*"):
+            with contextlib.suppress(OSError):  # exited since the walk
+                os.sched_setaffinity(int(task.name), cpus)
+                pinned += 1
+    return pinned
+
+
+def thread_affinities(pid: int) -> list[frozenset[int]]:
+    """The CPU set of every thread of `pid` and of every process below it."""
+    found = []
+    for member in process_tree(pid):
+        for task in Path(f"/proc/{member}/task").glob("[0-9]*"):
+            with contextlib.suppress(OSError):
+                found.append(frozenset(os.sched_getaffinity(int(task.name))))
+    return found

@@ -303,6 +303,44 @@ def test_interpreter_of_a_process_behind_a_launcher() -> None:
         launcher.wait(timeout=10)
 
 
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("1", {1}), ("0,2", {0, 2}), ("2-3,6", {2, 3, 6}), (" 0 - 1 ", {0, 1})],
+)
+def test_parse_cpu_list(text: str, expected: set[int]) -> None:
+    assert procfs.parse_cpu_list(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "a", "3-1", "-1", "1,,2"])
+def test_parse_cpu_list_rejects(text: str) -> None:
+    with pytest.raises(ValueError):
+        procfs.parse_cpu_list(text)
+
+
+def test_pin_tree_pins_every_thread_of_every_process_below() -> None:
+    allowed = sorted(os.sched_getaffinity(0))
+    target = frozenset(allowed[-1:])
+    # A shell with a Python child that runs a second thread: two processes, three threads.
+    child = (
+        "import threading, time; threading.Thread(target=time.sleep, args=(30,)).start(); "
+        "time.sleep(30)"
+    )
+    launcher = subprocess.Popen(["sh", "-c", f'{sys.executable} -c "{child}"; exit 0'])
+    try:
+        for _ in range(100):  # until the child's second thread runs
+            if len(procfs.thread_affinities(launcher.pid)) >= 3:
+                break
+            time.sleep(0.05)
+        assert procfs.pin_tree(launcher.pid, target) >= 3
+        affinities = procfs.thread_affinities(launcher.pid)
+        assert len(affinities) >= 3
+        assert all(cpus == target for cpus in affinities)
+    finally:
+        subprocess.run(["pkill", "-P", str(launcher.pid)], check=False)
+        launcher.wait(timeout=10)
+    assert sorted(os.sched_getaffinity(0)) == allowed  # this process was left alone
+
+
 def test_process_tree_and_its_cpu_include_children() -> None:
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
@@ -522,6 +560,9 @@ def test_load_records_a_refused_connection_as_an_error() -> None:
 @pytest.mark.e2e
 def test_compare_smoke_writes_json_for_every_path(tmp_path: Path) -> None:
     _require_caddy()
+    allowed = os.sched_getaffinity(0)
+    # The proxies on a CPU of their own where there are two: exercised, not timed.
+    pinned = frozenset(sorted(allowed)[-1:]) if len(allowed) > 1 else frozenset()
     options = CompareOptions(
         workload="stream",
         rounds=1,
@@ -533,10 +574,13 @@ def test_compare_smoke_writes_json_for_every_path(tmp_path: Path) -> None:
         warmup=1,
         duration_s=20.0,
         candidate_args=("--log-level", "warning"),
+        proxy_cpus=pinned,
         out_root=tmp_path,
     )
     result = run_compare(options)
+    assert os.sched_getaffinity(0) == allowed  # the bench gave this process its CPUs back
     written = json.loads(next(tmp_path.glob("*-compare-stream/compare.json")).read_text())
+    assert written["options"]["proxy_cpus"] == sorted(options.proxy_cpus)
     assert written["medians"].keys() == {"direct", "pylon", "candidate", "caddy"}
     interpreters = written["machine"]["interpreters"]
     assert interpreters.keys() == {"pylon", "candidate"}
