@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import orjson
 import pytest
@@ -15,6 +17,7 @@ from pylon.errors import (
     UpstreamReset,
     UpstreamTimeout,
     UpstreamUnreachable,
+    map_upstream_errors,
     upstream_error_for,
 )
 from pylon.tunnel_headers import (
@@ -182,3 +185,36 @@ def test_upstream_errors_map_to_status(
     body = orjson.loads(error.body())
     assert set(body["error"]) == {"message", "type", "code"}
     assert (b"x-pylon-retry-safe", b"true") in error.headers() or not retry_safe
+
+
+async def _raised_through_map(exc: BaseException | None) -> BaseException | None:
+    try:
+        # Nested: one shared, stateless map serves both.
+        async with map_upstream_errors(), map_upstream_errors():
+            if exc is not None:
+                raise exc
+    except BaseException as raised:  # the test inspects whatever escaped
+        return raised
+    return None
+
+
+@pytest.mark.parametrize(
+    ("exc", "expected"),
+    [
+        (TimeoutError(), UpstreamTimeout),
+        (httpx.ReadError("gone"), UpstreamReset),
+        (httpx.ConnectError("refused"), UpstreamUnreachable),
+    ],
+    ids=["budget", "read", "connect"],
+)
+def test_upstream_error_map_translates_with_the_cause_kept(
+    exc: BaseException, expected: type
+) -> None:
+    raised = asyncio.run(_raised_through_map(exc))
+    assert type(raised) is expected
+    assert raised.__cause__ is exc
+
+
+@pytest.mark.parametrize("exc", [ValueError("bug"), asyncio.CancelledError(), None])
+def test_upstream_error_map_lets_everything_else_through(exc: BaseException | None) -> None:
+    assert asyncio.run(_raised_through_map(exc)) is exc
