@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from types import TracebackType
@@ -269,43 +269,28 @@ class _Exchange:
     """`Forwarder.exchange` as a class: a generator-based context manager costs five
     times as much to enter and leave, and every request makes one."""
 
-    __slots__ = (
-        "_content",
-        "_forwarder",
-        "_headers",
-        "_method",
-        "_request_id",
-        "_response",
-        "_url",
-    )
+    __slots__ = ("_idle_timeout_s", "_open", "_request_id", "_response")
 
     def __init__(
         self,
-        forwarder: Forwarder,
-        method: str,
-        url: str,
-        headers: tuple[tuple[bytes, bytes], ...],
-        content: bytes | AsyncIterable[bytes],
+        open_response: Callable[[], Awaitable[httpx.Response]],
+        *,
         request_id: str | None,
+        idle_timeout_s: float,
     ) -> None:
-        self._forwarder = forwarder
-        self._method = method
-        self._url = url
-        self._headers = headers
-        self._content = content
+        self._open = open_response
         self._request_id = request_id
+        self._idle_timeout_s = idle_timeout_s
         self._response: httpx.Response | None = None
 
     async def __aenter__(self) -> UpstreamResponse:
-        forwarder = self._forwarder
-        response = await forwarder._open(self._method, self._url, self._headers, self._content)
-        self._response = response
+        response = self._response = await self._open()
         try:
             return UpstreamResponse(
                 status=response.status_code,
                 headers=response_headers(response, self._request_id),
                 _response=response,
-                _idle_timeout_s=forwarder._settings.idle_timeout_s,
+                _idle_timeout_s=self._idle_timeout_s,
             )
         except BaseException:
             await response.aclose()
@@ -346,7 +331,11 @@ class Forwarder:
     ) -> AbstractAsyncContextManager[UpstreamResponse]:
         """The engine's response head on entry; on exit its connection goes back to
         the pool, or is closed if the body is unfinished."""
-        return _Exchange(self, method, self._base_url + path, headers, content, request_id)
+        return _Exchange(
+            functools.partial(self._open, method, self._base_url + path, headers, content),
+            request_id=request_id,
+            idle_timeout_s=self._settings.idle_timeout_s,
+        )
 
     async def _open(
         self,
