@@ -68,11 +68,11 @@ def maps_libpython(maps: str) -> bool:
     """Whether a process's memory map (/proc/<pid>/maps) holds a shared libpython,
     which costs the interpreter's own calls an indirection. The map, not the
     configure arguments: Debian records `--enable-shared` for a static binary."""
-    return any(
-        os.path.basename(line.split()[-1]).startswith("libpython")
-        for line in maps.splitlines()
-        if len(line.split()) >= 6
-    )
+    for line in maps.splitlines():
+        fields = line.split()  # six or more when a file is mapped, its path last
+        if len(fields) >= 6 and os.path.basename(fields[-1]).startswith("libpython"):
+            return True
+    return False
 
 
 def interpreter(pid: int) -> dict[str, Any] | None:

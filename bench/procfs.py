@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
@@ -196,23 +197,28 @@ def parse_cpu_list(text: str) -> frozenset[int]:
     return frozenset(cpus)
 
 
+def tree_threads(pid: int) -> Iterator[int]:
+    """The thread ids of `pid` and of every process below it."""
+    for member in process_tree(pid):
+        for task in Path(f"/proc/{member}/task").glob("[0-9]*"):
+            yield int(task.name)
+
+
 def pin_tree(pid: int, cpus: frozenset[int]) -> int:
     """Run every thread of `pid` and of every process below it on `cpus` only; threads
     and processes they start later inherit it. Returns how many threads were pinned."""
     pinned = 0
-    for member in process_tree(pid):
-        for task in Path(f"/proc/{member}/task").glob("[0-9]*"):
-            with contextlib.suppress(OSError):  # exited since the walk
-                os.sched_setaffinity(int(task.name), cpus)
-                pinned += 1
+    for thread in tree_threads(pid):
+        with contextlib.suppress(OSError):  # exited since the walk
+            os.sched_setaffinity(thread, cpus)
+            pinned += 1
     return pinned
 
 
 def thread_affinities(pid: int) -> list[frozenset[int]]:
     """The CPU set of every thread of `pid` and of every process below it."""
     found = []
-    for member in process_tree(pid):
-        for task in Path(f"/proc/{member}/task").glob("[0-9]*"):
-            with contextlib.suppress(OSError):
-                found.append(frozenset(os.sched_getaffinity(int(task.name))))
+    for thread in tree_threads(pid):
+        with contextlib.suppress(OSError):  # exited since the walk
+            found.append(frozenset(os.sched_getaffinity(thread)))
     return found

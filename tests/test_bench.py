@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 import tracemalloc
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -281,26 +282,29 @@ def test_maps_libpython_reads_the_mapped_files() -> None:
     assert not maps_libpython("7f00-7f01 rw-p 00000000 00:00 0\n")  # anonymous
 
 
-def test_interpreter_of_a_process_behind_a_launcher() -> None:
-    # Two commands, so the shell stays the parent instead of exec-ing Python.
-    sleeper = f"{sys.executable} -c 'import time; time.sleep(30)'; exit 0"
-    launcher = subprocess.Popen(["sh", "-c", sleeper])
+@contextlib.contextmanager
+def _python_behind_a_shell(code: str) -> Iterator[int]:
+    """The pid of a shell running `python -c code` as its child; both end on exit.
+    Two commands, so the shell stays the parent instead of exec-ing Python."""
+    launcher = subprocess.Popen(["sh", "-c", f'{sys.executable} -c "{code}"; exit 0'])
     try:
-        found = None
-        for _ in range(100):  # until the shell has started its child
-            found = interpreter(launcher.pid)
-            if found is not None:
-                break
-            time.sleep(0.05)
+        yield launcher.pid
+    finally:
+        subprocess.run(["pkill", "-P", str(launcher.pid)], check=False)
+        launcher.wait(timeout=10)
+
+
+def test_interpreter_of_a_process_behind_a_launcher() -> None:
+    with _python_behind_a_shell("import time; time.sleep(30)") as launcher:
+        # Until the shell has started its child.
+        run(eventually(lambda: interpreter(launcher) is not None, within_s=5.0))
+        found = interpreter(launcher)
         assert found is not None
         assert found["executable"] == os.path.realpath(sys.executable)
         assert found["version"] == sys.version.split()[0]
         # The same executable as this process, so linked the same way.
         own_maps = Path(f"/proc/{os.getpid()}/maps").read_text()
         assert found["shared_libpython"] == maps_libpython(own_maps)
-    finally:
-        subprocess.run(["pkill", "-P", str(launcher.pid)], check=False)
-        launcher.wait(timeout=10)
 
 
 @pytest.mark.parametrize(
@@ -325,19 +329,12 @@ def test_pin_tree_pins_every_thread_of_every_process_below() -> None:
         "import threading, time; threading.Thread(target=time.sleep, args=(30,)).start(); "
         "time.sleep(30)"
     )
-    launcher = subprocess.Popen(["sh", "-c", f'{sys.executable} -c "{child}"; exit 0'])
-    try:
-        for _ in range(100):  # until the child's second thread runs
-            if len(procfs.thread_affinities(launcher.pid)) >= 3:
-                break
-            time.sleep(0.05)
-        assert procfs.pin_tree(launcher.pid, target) >= 3
-        affinities = procfs.thread_affinities(launcher.pid)
+    with _python_behind_a_shell(child) as launcher:
+        run(eventually(lambda: len(procfs.thread_affinities(launcher)) >= 3, within_s=5.0))
+        assert procfs.pin_tree(launcher, target) >= 3
+        affinities = procfs.thread_affinities(launcher)
         assert len(affinities) >= 3
         assert all(cpus == target for cpus in affinities)
-    finally:
-        subprocess.run(["pkill", "-P", str(launcher.pid)], check=False)
-        launcher.wait(timeout=10)
     assert sorted(os.sched_getaffinity(0)) == allowed  # this process was left alone
 
 
