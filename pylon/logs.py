@@ -12,11 +12,19 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from collections.abc import Mapping
 from typing import Any, TextIO
 
 import orjson
 
-__all__ = ["LEVELS", "HumanFormatter", "JsonFormatter", "configure_logging"]
+__all__ = [
+    "LEVELS",
+    "AccessLog",
+    "HumanFormatter",
+    "JsonFormatter",
+    "JsonLinesHandler",
+    "configure_logging",
+]
 
 LEVELS = ("debug", "info", "warning", "error")
 
@@ -36,13 +44,17 @@ _RAW_BYTES = (bytes, bytearray, memoryview)
 """A tuple, not a union: `isinstance` checks a tuple several times faster."""
 
 
-def _extra_fields(record: logging.LogRecord) -> dict[str, Any]:
+def _loggable(fields: Mapping[str, Any]) -> dict[str, Any]:
     # One pass: an access line has 11 extra fields among 31 attributes (2.9 µs, from 5.7).
     return {
         key: f"<{len(value)} bytes>" if isinstance(value, _RAW_BYTES) else value
-        for key, value in vars(record).items()
+        for key, value in fields.items()
         if key not in _NOT_EXTRA
     }
+
+
+def _extra_fields(record: logging.LogRecord) -> dict[str, Any]:
+    return _loggable(vars(record))
 
 
 class JsonFormatter(logging.Formatter):
@@ -75,6 +87,85 @@ class JsonFormatter(logging.Formatter):
             line["exc"] = self.formatException(record.exc_info)
         return orjson.dumps(line, default=str).decode()
 
+    def format_fields(
+        self, *, created: float, logger: str, msg: str, fields: Mapping[str, Any]
+    ) -> str:
+        """The line `format` gives an info record of `logger` made at `created` with
+        `fields` as its extras, without the record."""
+        line: dict[str, Any] = {
+            # logging's own `msecs` (3.11): whole milliseconds of `created`.
+            "ts": self._timestamp(created, int((created - int(created)) * 1000)),
+            "level": "info",
+            "logger": logger,
+            "msg": msg,
+            **_loggable(fields),
+        }
+        return orjson.dumps(line, default=str).decode()
+
+
+class JsonLinesHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """The JSON lines handler, which can also write an info line straight from its fields
+    (`AccessLog`): the same line, without the record logging builds for it."""
+
+    def __init__(self, stream: TextIO) -> None:
+        super().__init__(stream)
+        self.json = JsonFormatter()
+        self.setFormatter(self.json)
+
+    def write_fields(self, *, logger: str, msg: str, fields: Mapping[str, Any]) -> None:
+        text = self.json.format_fields(created=time.time(), logger=logger, msg=msg, fields=fields)
+        self.acquire()
+        try:
+            self.stream.write(text + self.terminator)
+            self.flush()
+        finally:
+            self.release()
+
+
+class AccessLog:
+    """One info line per finished request, with `fields` as its extras.
+
+    Written by the JSON handler directly when logging would do nothing else
+    with the record: no filter and no other handler on the way, the JSON
+    handler alone at the root (what `configure_logging` sets up). That costs
+    a fifth of a record through logging (13 µs into a file, 3 µs), once per
+    request. Any other set-up gets the record through logging as usual.
+    """
+
+    def __init__(self, logger: logging.Logger, msg: str) -> None:
+        self._logger = logger
+        self._msg = msg
+
+    def write(self, fields: Mapping[str, Any]) -> None:
+        logger = self._logger
+        if not logger.isEnabledFor(logging.INFO):
+            return
+        handler = _sole_json_handler(logger)
+        if handler is None:
+            logger.info(self._msg, extra=dict(fields))
+            return
+        try:
+            handler.write_fields(logger=logger.name, msg=self._msg, fields=fields)
+        except Exception:  # let logging report it, as it would for its own write
+            logger.info(self._msg, extra=dict(fields))
+
+
+def _sole_json_handler(logger: logging.Logger) -> JsonLinesHandler | None:
+    """The handler a record of `logger` would reach alone, untouched on the way, if it is
+    a `JsonLinesHandler` that takes info lines; else None."""
+    root = logging.getLogger()
+    node: logging.Logger | None = logger
+    while node is not None and node is not root:
+        if node.filters or node.handlers or not node.propagate:
+            return None
+        node = node.parent
+    if node is None or root.filters or len(root.handlers) != 1:
+        return None
+    (handler,) = root.handlers
+    if type(handler) is not JsonLinesHandler or handler.filters or handler.level > logging.INFO:
+        return None
+    return handler
+
 
 def _human_value(value: Any) -> str:
     return f"{value:.6g}" if isinstance(value, float) else str(value)
@@ -100,8 +191,13 @@ def configure_logging(*, level: str, human: bool, stream: TextIO | None = None) 
     """Send every log record to `stream` (stderr) in one format, at `level` or above."""
     if level.lower() not in LEVELS:
         raise ValueError(f"log level must be one of {', '.join(LEVELS)}")
-    handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
-    handler.setFormatter(HumanFormatter() if human else JsonFormatter())
+    target = stream if stream is not None else sys.stderr
+    handler: logging.Handler
+    if human:
+        handler = logging.StreamHandler(target)
+        handler.setFormatter(HumanFormatter())
+    else:
+        handler = JsonLinesHandler(target)
     # Neither format shows the caller's file and line, the thread or the process, so
     # skip collecting them for every record (the logging HOWTO's "Optimization"):
     # a fifth of the cost of an access line.

@@ -33,6 +33,7 @@ from pylon.errors import (
     UpstreamTimeout,
 )
 from pylon.forwarder import Forwarder
+from pylon.logs import AccessLog
 from pylon.metrics import Metrics
 from pylon.pipeline import (
     PipelineOptions,
@@ -122,6 +123,7 @@ class TunnelService:
         self.draining = False
         """Set when shutdown starts: new requests get 503 with the retry-safe marker."""
         self._in_flight: dict[asyncio.Task[Any], Exchange] = {}
+        self._access_log = AccessLog(logger, "request finished")
 
     def cut_in_flight(self, *, by: str) -> int:
         """Cancel every request still running, recording `by` as who ended it.
@@ -278,9 +280,8 @@ class TunnelService:
             request_bytes=exchange.request_bytes,
             response_bytes=stream.body_bytes_sent,
         )
-        logger.info(
-            "request finished",
-            extra={
+        self._access_log.write(
+            {
                 "request_id": exchange.request_id,
                 "backend": self._adapter.name,
                 "route": exchange.route,
@@ -292,7 +293,7 @@ class TunnelService:
                 "response_bytes": stream.body_bytes_sent,
                 "error": exchange.error,
                 "cancelled_by": exchange.cancelled_by,
-            },
+            }
         )
 
 

@@ -6,6 +6,7 @@ writes its access line, formatted by the handler, and parsed back.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import logging
@@ -19,7 +20,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pylon.logs import NOISY_LOGGERS, HumanFormatter, JsonFormatter, configure_logging
+from pylon.logs import (
+    NOISY_LOGGERS,
+    AccessLog,
+    HumanFormatter,
+    JsonFormatter,
+    configure_logging,
+)
 
 ACCESS_FIELDS: dict[str, Any] = {
     "request_id": "r1",
@@ -46,6 +53,26 @@ def root_logging() -> Iterator[None]:
     root.handlers[:], root.level = saved[0], saved[1]
     for name, level in noisy.items():
         logging.getLogger(name).setLevel(level)
+
+
+@contextlib.contextmanager
+def configured(*, human: bool = False, level: str = "info") -> Iterator[io.StringIO]:
+    """configure_logging into a string, the root logger restored afterwards."""
+    root = logging.getLogger()
+    saved = (root.handlers[:], root.level)
+    noisy = {name: logging.getLogger(name).level for name in NOISY_LOGGERS}
+    stream = io.StringIO()
+    configure_logging(level=level, human=human, stream=stream)
+    try:
+        yield stream
+    finally:
+        root.handlers[:], root.level = saved[0], saved[1]
+        for name, level_before in noisy.items():
+            logging.getLogger(name).setLevel(level_before)
+
+
+def lines_of(stream: io.StringIO) -> list[dict[str, Any]]:
+    return [json.loads(text) for text in stream.getvalue().rstrip("\n").split("\n") if text]
 
 
 def emit(formatter: logging.Formatter, *, exc: bool = False, **extra: Any) -> str:
@@ -152,3 +179,113 @@ def test_json_timestamps_match_strftime_in_any_order(created: list[float]) -> No
         expected = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(moment))
         expected += f".{int(record.msecs):03d}Z"
         assert json.loads(formatter.format(record))["ts"] == expected
+
+
+# --- the access line -----------------------------------------------------------------
+
+_FIELD_NAMES = st.text(st.characters(codec="ascii", categories=["Ll", "Nd"]), min_size=1).filter(
+    lambda name: name not in vars(logging.makeLogRecord({})) and name not in ("message", "asctime")
+)
+_FIELD_VALUES = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**63), max_value=2**63 - 1),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(),
+    st.binary(max_size=40),
+)
+
+
+@given(st.dictionaries(_FIELD_NAMES, _FIELD_VALUES, max_size=12))
+def test_access_line_written_directly_is_the_line_logging_writes(fields: dict[str, Any]) -> None:
+    """Same keys, values and order; only the time may differ (two clock readings)."""
+    logger = logging.getLogger("pylon.access.direct")
+    with configured() as stream:
+        AccessLog(logger, "request finished").write(fields)
+        logger.info("request finished", extra=dict(fields))
+    direct, through_logging = stream.getvalue().rstrip("\n").split("\n")
+    pattern = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z"
+    assert re.fullmatch(pattern, json.loads(direct)["ts"])
+    assert re.sub(pattern, "T", direct) == re.sub(pattern, "T", through_logging)
+
+
+def test_access_line_skips_the_record_when_logging_would_only_write_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    logger = logging.getLogger("pylon.access.direct")
+
+    def no_record(*args: Any, **kwargs: Any) -> logging.LogRecord:
+        raise AssertionError("a record was made")
+
+    monkeypatch.setattr(logger, "makeRecord", no_record)
+    with configured() as stream:
+        AccessLog(logger, "request finished").write(ACCESS_FIELDS)
+    (line,) = lines_of(stream)
+    assert line["logger"] == "pylon.access.direct" and line["request_id"] == "r1"
+
+
+def test_access_line_goes_through_logging_when_a_filter_is_on_the_way() -> None:
+    logger = logging.getLogger("pylon.access.direct")
+    seen: list[logging.LogRecord] = []
+
+    def keep_errors_only(record: logging.LogRecord) -> bool:
+        seen.append(record)
+        return getattr(record, "status", 0) >= 500
+
+    logger.addFilter(keep_errors_only)
+    try:
+        with configured() as stream:
+            AccessLog(logger, "request finished").write(ACCESS_FIELDS)
+            AccessLog(logger, "request finished").write({**ACCESS_FIELDS, "status": 502})
+    finally:
+        logger.removeFilter(keep_errors_only)
+    assert [record.status for record in seen] == [200, 502]  # type: ignore[attr-defined]
+    assert [line["status"] for line in lines_of(stream)] == [502]
+
+
+def test_access_line_reaches_every_handler_and_the_human_format() -> None:
+    logger = logging.getLogger("pylon.access.direct")
+    extra_stream = io.StringIO()
+    extra_handler = logging.StreamHandler(extra_stream)
+    logger.addHandler(extra_handler)
+    try:
+        with configured() as stream:
+            AccessLog(logger, "request finished").write(ACCESS_FIELDS)
+    finally:
+        logger.removeHandler(extra_handler)
+    assert extra_stream.getvalue() == "request finished\n"
+    assert [line["request_id"] for line in lines_of(stream)] == ["r1"]
+    with configured(human=True) as stream:
+        AccessLog(logger, "request finished").write(ACCESS_FIELDS)
+    assert stream.getvalue().startswith("info    pylon.access.direct: request finished request_id=r1")
+
+
+def test_access_line_below_the_level_and_bodies_are_not_written() -> None:
+    logger = logging.getLogger("pylon.access.direct")
+    with configured(level="warning") as stream:
+        AccessLog(logger, "request finished").write(ACCESS_FIELDS)
+    assert stream.getvalue() == ""
+    with configured() as stream:
+        AccessLog(logger, "request finished").write(
+            {"body": "SECRET-PROMPT", "chunk": b"SECRET-TOKEN", "request_id": "r6"}
+        )
+    (line,) = lines_of(stream)
+    assert line["chunk"] == "<12 bytes>" and "body" not in line and line["request_id"] == "r6"
+
+
+def test_access_line_write_error_is_reported_by_logging_not_raised(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    class Broken(io.StringIO):
+        def write(self, text: str) -> int:
+            raise OSError("disk full")
+
+    logger = logging.getLogger("pylon.access.direct")
+    root = logging.getLogger()
+    saved = (root.handlers[:], root.level)
+    configure_logging(level="info", human=False, stream=Broken())
+    try:
+        AccessLog(logger, "request finished").write(ACCESS_FIELDS)
+    finally:
+        root.handlers[:], root.level = saved
+    assert "OSError: disk full" in capsys.readouterr().err
