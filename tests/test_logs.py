@@ -257,7 +257,8 @@ def test_access_line_reaches_every_handler_and_the_human_format() -> None:
     assert [line["request_id"] for line in lines_of(stream)] == ["r1"]
     with configured(human=True) as stream:
         AccessLog(logger, "request finished").write(ACCESS_FIELDS)
-    assert stream.getvalue().startswith("info    pylon.access.direct: request finished request_id=r1")
+    human_line = "info    pylon.access.direct: request finished request_id=r1"
+    assert stream.getvalue().startswith(human_line)
 
 
 def test_access_line_below_the_level_and_bodies_are_not_written() -> None:

@@ -18,6 +18,7 @@ from aioquic.h3.connection import (
     H3_ALPN,
     ErrorCode,
     FrameType,
+    FrameUnexpected,
     H3Connection,
     MessageError,
     encode_frame,
@@ -325,3 +326,65 @@ def test_a_field_aioquic_rejects_gets_aioquics_own_error(
     assert aioquic.h3.connection.validate_header_name is not aioquic_validate_header_name
     with pytest.raises(MessageError, match=reason):
         validate_request_headers([*GOOD_HEAD, (name, value)])
+
+
+def test_the_end_of_a_chunked_body_is_a_bare_fin(tmp_path: Path) -> None:
+    """The same bytes as aioquic's, less its empty DATA frame; the client sees the end."""
+    pair = Pair(tmp_path)
+    fast, reference = pair.request(GOOD_HEAD), pair.request(GOOD_HEAD)
+    for stream_id in (fast, reference):
+        pair.server_h3.send_headers(stream_id, [(b":status", b"200")])
+        pair.server_h3.send_data(stream_id, b"body", end_stream=False)
+    pair.server_h3.send_data(fast, b"", end_stream=True)
+    H3Connection.send_data(pair.server_h3, reference, b"", end_stream=True)
+    sent = {sid: bytes(pair.server._streams[sid].sender._buffer) for sid in (fast, reference)}
+    assert sent[fast] + encode_frame(FrameType.DATA, b"") == sent[reference]
+    assert pair.server._streams[fast].sender._buffer_fin == len(sent[fast])
+    received: dict[int, list[DataReceived]] = {fast: [], reference: []}
+    original = pair.client_h3.handle_event
+
+    def collect(event: QuicEvent) -> list[H3Event]:
+        events = original(event)
+        for h3_event in events:
+            if isinstance(h3_event, DataReceived) and h3_event.stream_id in received:
+                received[h3_event.stream_id].append(h3_event)
+        return events
+
+    pair.client_h3.handle_event = collect  # type: ignore[method-assign]
+    pair.pump()
+    for events in received.values():
+        assert b"".join(event.data for event in events) == b"body"
+        assert events[-1].stream_ended
+    assert pair.server_h3.tracked_stream_count == 0  # both dropped once done both ways
+    with pytest.raises(FrameUnexpected, match="not allowed"):  # aioquic's own error
+        pair.server_h3.send_data(fast, b"", end_stream=True)
+    with pytest.raises(FrameUnexpected, match="not allowed"):
+        H3Connection.send_data(pair.server_h3, reference, b"", end_stream=True)
+
+
+def test_qpack_streams_carry_only_real_instructions(tmp_path: Path) -> None:
+    """No empty write per request; what the dynamic table needs still goes out."""
+    pair = Pair(tmp_path)
+    writes: list[tuple[int, bytes]] = []
+    send_stream_data = pair.server.send_stream_data
+
+    def record(stream_id: int, data: bytes, end_stream: bool = False) -> None:
+        writes.append((stream_id, data))
+        send_stream_data(stream_id, data, end_stream)
+
+    pair.server.send_stream_data = record  # type: ignore[method-assign]
+    h3 = pair.server_h3
+    qpack_streams = {h3._local_encoder_stream_id, h3._local_decoder_stream_id}
+    repeated = [*GOOD_HEAD, (b"x-tenant", b"a-tenant-name-worth-indexing")]
+    for _ in range(3):
+        stream_id = pair.request(repeated)
+        pair.server_h3.send_headers(stream_id, [(b":status", b"200"), (b"x-tenant", b"t" * 40)])
+        pair.pump()
+    assert [data for sid, data in writes if sid in qpack_streams and not data] == []
+    decoder_bytes = sum(
+        len(data) for sid, data in writes if sid == pair.server_h3._local_decoder_stream_id
+    )
+    assert decoder_bytes == pair.server_h3._decoder_bytes_sent > 0  # acknowledgements went
+    assert pair.server_h3._encoder_bytes_sent > 0  # and the response's insertions
+    heads = [event for event in pair.server_events if isinstance(event, HeadersReceived)]
+    assert [dict(event.headers)[b"x-tenant"] for event in heads] == [repeated[-1][1]] * 3

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import aioquic.h3.connection
+import pylsqpack
 from aioquic.buffer import encode_uint_var
 from aioquic.h3.connection import (
     ErrorCode,
@@ -25,9 +26,10 @@ from aioquic.h3.connection import (
     H3Connection,
     HeadersState,
     MessageError,
+    QpackDecompressionFailed,
     stream_is_request_response,
 )
-from aioquic.h3.events import DataReceived, H3Event
+from aioquic.h3.events import DataReceived, H3Event, Headers
 from aioquic.quic.connection import QuicConnection, stream_is_unidirectional
 from aioquic.quic.events import QuicEvent, StreamDataReceived, StreamReset
 
@@ -113,18 +115,50 @@ class TunnelH3Connection(H3Connection):
         # An SSE response calls this once per token. In the middle of a body
         # aioquic's own method spends its time on a context manager per call and
         # a copy of the payload into a frame buffer; the check and the frame
-        # bytes here are the same, with one copy.
+        # bytes here are the same, with one copy. The end of a body that came
+        # in chunks is a bare FIN: aioquic would send an empty DATA frame with it.
         stream = self._stream.get(stream_id)
         if (
-            end_stream
-            or stream is None
+            stream is None
             or stream.headers_send_state != HeadersState.AFTER_HEADERS
             or self._quic_logger is not None
+            or (end_stream and data)
         ):
             super().send_data(stream_id, data, end_stream)
             return
+        if end_stream:
+            stream.finish_sending()
+            if stream.is_ended():  # what aioquic's context manager does on the way out
+                self._stream.pop(stream_id)
+            self._quic.send_stream_data(stream_id, b"", end_stream=True)
+            return
         frame = b"".join((_DATA_FRAME_TYPE, encode_uint_var(len(data)), data))
         self._quic.send_stream_data(stream_id, frame)
+
+    # QPACK: with nothing for the encoder or decoder stream (the usual case: a
+    # field section that changes no dynamic table), aioquic still queues an empty
+    # write on that stream per request. These are its own two steps without it.
+
+    def _encode_headers(self, stream_id: int, headers: Headers) -> bytes:
+        encoder, frame_data = self._encoder.encode(stream_id, headers)
+        if encoder:
+            self._encoder_bytes_sent += len(encoder)
+            # set when the connection was made, as aioquic's own call assumes
+            self._quic.send_stream_data(self._local_encoder_stream_id, encoder)  # type: ignore[arg-type]
+        return frame_data
+
+    def _decode_headers(self, stream_id: int, frame_data: bytes | None) -> Headers:
+        try:
+            if frame_data is None:
+                decoder, headers = self._decoder.resume_header(stream_id)
+            else:
+                decoder, headers = self._decoder.feed_header(stream_id, frame_data)
+        except pylsqpack.DecompressionFailed as exc:
+            raise QpackDecompressionFailed() from exc
+        if decoder:
+            self._decoder_bytes_sent += len(decoder)
+            self._quic.send_stream_data(self._local_decoder_stream_id, decoder)  # type: ignore[arg-type]
+        return headers
 
     def _receive_stream_data(self, event: StreamDataReceived) -> list[H3Event]:
         stream = self._stream.get(event.stream_id)
