@@ -35,8 +35,8 @@ class BodySink(Protocol):
     async def wait_drained(self) -> None:
         """Return once the sink takes more again."""
 
-    def end(self) -> None:
-        """The body is complete (never called for a body that failed)."""
+    def end(self, last: bytes = b"") -> None:
+        """The body is complete, `last` its final bytes (never called for a body that failed)."""
 
 
 class BodyPump:
@@ -109,6 +109,13 @@ class BodyPump:
                     if self._on_first_chunk is not None:
                         self._on_first_chunk()
                         self._on_first_chunk = None
+                    if len(event) <= READ_BYTES and self._response.ends_next():
+                        # The last bytes and the end in one call: one DATA frame with
+                        # the FIN (a small response's whole body), not two writes.
+                        self._response.next_event()
+                        self._sink.end(event)
+                        self._finish(None)
+                        return
                     if not self._write(event):
                         # Later events stay queued in the parser: the sink's cap
                         # overshoots by one piece, not by one whole socket read.

@@ -104,6 +104,10 @@ class ResponseParser:
     def next_event(self) -> ResponseEvent:
         return self._events.popleft() if self._events else NEED_DATA
 
+    def ends_next(self) -> bool:
+        """Whether the next event is the end of the body (it is left in place)."""
+        return bool(self._events) and self._events[0] is END_OF_BODY
+
     # --- llhttp's callbacks (httptools calls them by name) ------------------------------
 
     def on_status(self, reason: bytes) -> None:

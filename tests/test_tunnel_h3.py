@@ -388,3 +388,16 @@ def test_qpack_streams_carry_only_real_instructions(tmp_path: Path) -> None:
     assert pair.server_h3._encoder_bytes_sent > 0  # and the response's insertions
     heads = [event for event in pair.server_events if isinstance(event, HeadersReceived)]
     assert [dict(event.headers)[b"x-tenant"] for event in heads] == [repeated[-1][1]] * 3
+
+
+def test_last_bytes_with_the_fin_are_framed_as_aioquic_frames_them(tmp_path: Path) -> None:
+    pair = Pair(tmp_path)
+    fast, reference = pair.request(GOOD_HEAD), pair.request(GOOD_HEAD)
+    for stream_id in (fast, reference):
+        pair.server_h3.send_headers(stream_id, [(b":status", b"200")])
+    pair.server_h3.send_data(fast, b"tail", end_stream=True)
+    H3Connection.send_data(pair.server_h3, reference, b"tail", end_stream=True)
+    senders = {sid: pair.server._streams[sid].sender for sid in (fast, reference)}
+    assert bytes(senders[fast]._buffer) == bytes(senders[reference]._buffer)
+    assert senders[fast]._buffer_fin == senders[reference]._buffer_fin is not None
+    assert pair.server_h3.tracked_stream_count == 0

@@ -70,9 +70,11 @@ class Sink:
         self.drained.clear()
         await self.drained.wait()
 
-    def end(self) -> None:
+    def end(self, last: bytes = b"") -> None:
         self.ended += 1
         self.order.append("end")
+        if last:
+            self.chunks.append(last)
 
     def drain(self) -> None:
         self.held = 0
@@ -224,8 +226,8 @@ LAST_BYTES = {
 
 
 @pytest.mark.parametrize("writes", LAST_BYTES.values(), ids=LAST_BYTES.keys())
-def test_the_end_reaches_the_sink_before_the_loop_runs_anything_else(writes: list[bytes]) -> None:
-    """So the tunnel sends the FIN with the last body bytes, not in a packet of its own."""
+def test_the_last_bytes_reach_the_sink_with_the_end(writes: list[bytes]) -> None:
+    """So the tunnel sends them in one DATA frame with the FIN, not in two writes."""
 
     async def paced(exchange: Exchange) -> None:
         await write_paced(exchange, writes)
@@ -234,9 +236,27 @@ def test_the_end_reaches_the_sink_before_the_loop_runs_anything_else(writes: lis
         async with Engine(paced) as engine, pooled() as h11_transport:
             sink = Sink()
             await relay(h11_transport, engine.url, sink)
-            assert sink.body == b"ok"
-            last_write = len(sink.order) - 1 - sink.order[::-1].index("write")
-            assert sink.order[last_write + 1] == "end"
+            assert (sink.body, sink.order) == (b"ok", ["end"])
+
+    run(scenario())
+
+
+def test_an_end_in_a_read_of_its_own_still_ends_the_sink() -> None:
+    """The last bytes are written when they come; the end follows on its own read."""
+    writes = [
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nok\r\n",
+        b"0\r\n\r\n",
+    ]
+
+    async def paced(exchange: Exchange) -> None:
+        await write_paced(exchange, writes)
+
+    async def scenario() -> None:
+        async with Engine(paced) as engine, pooled() as h11_transport:
+            sink = Sink()
+            await relay(h11_transport, engine.url, sink)
+            assert (sink.body, sink.ended) == (b"ok", 1)
+            assert sink.order[0] == "write" and sink.order[-1] == "end"
 
     run(scenario())
 

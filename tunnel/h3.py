@@ -112,28 +112,25 @@ class TunnelH3Connection(H3Connection):
         return super().handle_event(event)
 
     def send_data(self, stream_id: int, data: bytes, end_stream: bool) -> None:
-        # An SSE response calls this once per token. In the middle of a body
-        # aioquic's own method spends its time on a context manager per call and
-        # a copy of the payload into a frame buffer; the check and the frame
-        # bytes here are the same, with one copy. The end of a body that came
-        # in chunks is a bare FIN: aioquic would send an empty DATA frame with it.
+        # An SSE response calls this once per token. aioquic's own method spends
+        # its time on a context manager per call and a copy of the payload into
+        # a frame buffer; the checks and the frame bytes here are the same, with
+        # one copy. An end with no bytes is a bare FIN, where aioquic would send
+        # an empty DATA frame with it.
         stream = self._stream.get(stream_id)
         if (
             stream is None
             or stream.headers_send_state != HeadersState.AFTER_HEADERS
             or self._quic_logger is not None
-            or (end_stream and data)
         ):
             super().send_data(stream_id, data, end_stream)
             return
+        frame = b"".join((_DATA_FRAME_TYPE, encode_uint_var(len(data)), data)) if data else b""
         if end_stream:
             stream.finish_sending()
             if stream.is_ended():  # what aioquic's context manager does on the way out
                 self._stream.pop(stream_id)
-            self._quic.send_stream_data(stream_id, b"", end_stream=True)
-            return
-        frame = b"".join((_DATA_FRAME_TYPE, encode_uint_var(len(data)), data))
-        self._quic.send_stream_data(stream_id, frame)
+        self._quic.send_stream_data(stream_id, frame, end_stream)
 
     # QPACK: with nothing for the encoder or decoder stream (the usual case: a
     # field section that changes no dynamic table), aioquic still queues an empty

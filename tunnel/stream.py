@@ -212,9 +212,11 @@ class TunnelStream:
             await self._drained.wait()
             self._check_open()
 
-    def end(self) -> None:
+    def end(self, last: bytes = b"") -> None:
+        """Finish the body, `last` its final bytes: they leave with the FIN."""
         self._check_open()
-        self._owner.stream_send_data(self.stream_id, b"", end=True)
+        self._owner.stream_send_data(self.stream_id, last, end=True)
+        self.body_bytes_sent += len(last)
         self.finished = True
 
     def reset(self, error_code: int = ErrorCode.H3_INTERNAL_ERROR) -> None:
