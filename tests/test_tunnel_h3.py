@@ -401,3 +401,56 @@ def test_last_bytes_with_the_fin_are_framed_as_aioquic_frames_them(tmp_path: Pat
     assert bytes(senders[fast]._buffer) == bytes(senders[reference]._buffer)
     assert senders[fast]._buffer_fin == senders[reference]._buffer_fin is not None
     assert pair.server_h3.tracked_stream_count == 0
+
+
+HEAD_SEQUENCES = {
+    "a head": [([(b":status", b"200"), (b"content-type", b"text/event-stream")], False)],
+    "a head that ends the response": [([(b":status", b"204")], True)],
+    "an interim head, then the head": [
+        ([(b":status", b"103"), (b"link", b"</a>; rel=preload")], False),
+        ([(b":status", b"200")], False),
+    ],
+    "a head, then trailers": [([(b":status", b"200")], False), ([(b"x-done", b"1")], True)],
+}
+
+
+@pytest.mark.parametrize("heads", HEAD_SEQUENCES.values(), ids=HEAD_SEQUENCES.keys())
+def test_response_heads_are_framed_as_aioquic_frames_them(
+    tmp_path: Path, heads: list[tuple[list[tuple[bytes, bytes]], bool]]
+) -> None:
+    """Same stream bytes, FIN and H3 state as aioquic's own `send_headers`."""
+    pair = Pair(tmp_path)
+    fast, reference = pair.request(GOOD_HEAD), pair.request(GOOD_HEAD)
+    for headers, end in heads:
+        pair.server_h3.send_headers(fast, headers, end_stream=end)
+        H3Connection.send_headers(pair.server_h3, reference, headers, end_stream=end)
+    senders = {sid: pair.server._streams[sid].sender for sid in (fast, reference)}
+    # QPACK encodes each field section for its own stream, so compare the frames' shape
+    # and what the client decodes.
+    assert (senders[fast]._buffer_fin is None) == (senders[reference]._buffer_fin is None)
+    states = {sid: pair.server_h3._stream.get(sid) for sid in (fast, reference)}
+    assert (states[fast] is None) == (states[reference] is None)
+    if states[fast] is not None and states[reference] is not None:
+        assert states[fast].headers_send_state == states[reference].headers_send_state
+    received: dict[int, list[list[tuple[bytes, bytes]]]] = {fast: [], reference: []}
+    original = pair.client_h3.handle_event
+
+    def collect(event: QuicEvent) -> list[H3Event]:
+        events = original(event)
+        for h3_event in events:
+            if isinstance(h3_event, HeadersReceived) and h3_event.stream_id in received:
+                received[h3_event.stream_id].append(list(h3_event.headers))
+        return events
+
+    pair.client_h3.handle_event = collect  # type: ignore[method-assign]
+    pair.pump()
+    assert received[fast] == received[reference] == [headers for headers, _ in heads]
+
+
+def test_a_head_in_a_wrong_state_gets_aioquics_own_error(tmp_path: Path) -> None:
+    pair = Pair(tmp_path)
+    stream_id = pair.request(GOOD_HEAD)
+    pair.server_h3.send_headers(stream_id, [(b":status", b"200")])
+    pair.server_h3.send_headers(stream_id, [(b"x-done", b"1")])  # trailers
+    with pytest.raises(FrameUnexpected, match="HEADERS frame is not allowed"):
+        pair.server_h3.send_headers(stream_id, [(b":status", b"200")])

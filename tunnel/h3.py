@@ -27,6 +27,7 @@ from aioquic.h3.connection import (
     HeadersState,
     MessageError,
     QpackDecompressionFailed,
+    is_interim_response,
     stream_is_request_response,
 )
 from aioquic.h3.events import DataReceived, H3Event, Headers
@@ -34,6 +35,7 @@ from aioquic.quic.connection import QuicConnection, stream_is_unidirectional
 from aioquic.quic.events import QuicEvent, StreamDataReceived, StreamReset
 
 _DATA_FRAME_TYPE = encode_uint_var(FrameType.DATA)
+_HEADERS_FRAME_TYPE = encode_uint_var(FrameType.HEADERS)
 
 _VALID_NAME_BYTES = bytes(c for c in range(256) if 0x20 < c < 0x7F and not 0x41 <= c <= 0x5A)
 """RFC 9113 §8.2.1 as aioquic checks it: no control, space, uppercase or non-ASCII byte."""
@@ -130,6 +132,31 @@ class TunnelH3Connection(H3Connection):
             stream.finish_sending()
             if stream.is_ended():  # what aioquic's context manager does on the way out
                 self._stream.pop(stream_id)
+        self._quic.send_stream_data(stream_id, frame, end_stream)
+
+    def send_headers(self, stream_id: int, headers: Headers, end_stream: bool = False) -> None:
+        # A response head, once per request: aioquic's own method without its
+        # context manager and with the frame's bytes joined, not built in a
+        # Buffer. An interim (1xx) head, trailers or a logged connection take
+        # aioquic's path, which also raises its errors for a wrong state.
+        stream = self._stream.get(stream_id)
+        if (
+            stream is None
+            or stream.headers_send_state != HeadersState.INITIAL
+            or self._quic_logger is not None
+            or is_interim_response(headers)
+        ):
+            super().send_headers(stream_id, headers, end_stream)
+            return
+        try:
+            if end_stream:
+                stream.finish_sending()
+            frame_data = self._encode_headers(stream_id, headers)
+            stream.headers_send_state = HeadersState.AFTER_HEADERS
+        finally:
+            if stream.is_ended():  # what aioquic's context manager does on the way out
+                self._stream.pop(stream_id)
+        frame = b"".join((_HEADERS_FRAME_TYPE, encode_uint_var(len(frame_data)), frame_data))
         self._quic.send_stream_data(stream_id, frame, end_stream)
 
     # QPACK: with nothing for the encoder or decoder stream (the usual case: a
