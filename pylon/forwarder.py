@@ -202,15 +202,15 @@ def response_headers(
     response: httpx.Response, request_id: str | None
 ) -> tuple[tuple[bytes, bytes], ...]:
     """Engine headers minus hop-by-hop fields, with our request id echoed exactly once."""
-    kept = [
-        (name, value)
-        for name, value in strip_hop_by_hop(response.headers.raw)
-        if name != REQUEST_ID
-    ]
+    raw = response.headers.raw
+    kept = [(name, value) for name, value in strip_hop_by_hop(raw) if name != REQUEST_ID]
     if request_id is not None:
         kept.append((REQUEST_ID, request_id.encode("ascii")))
-    if "content-length" in response.headers:  # raw bytes are relayed, so the length holds
-        kept.append((b"content-length", response.headers["content-length"].encode("ascii")))
+    # Raw bytes are relayed, so the engine's length holds. Read from the raw list:
+    # httpx's lookup lowercases every name and guesses the encoding per question.
+    lengths = [value for name, value in raw if name.lower() == b"content-length"]
+    if lengths:
+        kept.append((b"content-length", b", ".join(lengths)))
     return tuple(kept)
 
 

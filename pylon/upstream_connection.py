@@ -248,6 +248,15 @@ def describe_os_error(exc: Exception) -> str:
     return str(exc) or type(exc).__name__
 
 
+_FRAMING_FIELDS = (b"content-length", b"transfer-encoding")
+
+
+def _declares_framing(headers: list[tuple[bytes, bytes]]) -> bool:
+    # The raw list, not `in request.headers`: httpx's lookup lowercases every name
+    # and guesses the encoding again for each question asked.
+    return any(name.lower() in _FRAMING_FIELDS for name, _ in headers)
+
+
 def _framed(
     request: httpx.Request,
 ) -> tuple[list[tuple[bytes, bytes]], bytes | AsyncIterable[bytes]]:
@@ -263,8 +272,7 @@ def _framed(
         body = stream
     else:
         raise TypeError(f"request body must be bytes or async iterable, not {type(stream)}")
-    framed = "content-length" in request.headers or "transfer-encoding" in request.headers
-    if not framed:
+    if not _declares_framing(headers):
         if not isinstance(body, bytes):
             headers = [*headers, (b"transfer-encoding", b"chunked")]
         elif body:
