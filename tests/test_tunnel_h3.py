@@ -259,6 +259,7 @@ def test_body_fragments_give_the_events_aioquic_gives(
         events_fast.extend(fast.handle_event(event))
         events_reference.extend(H3Connection._receive_stream_data(reference, event))
     assert events_fast == events_reference
+    assert (stream_id in fast._stream) == (stream_id in reference._stream)
     body = [event for event in events_fast if isinstance(event, DataReceived)]
     assert b"".join(event.data for event in body) == b"".join(frames)
     assert body[-1].stream_ended
@@ -281,6 +282,25 @@ def test_a_body_fragment_skips_the_stream_context_manager(
         StreamDataReceived(data=b"a" * 20, end_stream=False, stream_id=stream_id)
     )
     assert events == [DataReceived(data=b"a" * 20, stream_id=stream_id, stream_ended=False)]
+
+
+def test_a_whole_request_skips_the_stream_context_manager(
+    two_servers: tuple[H3Connection, H3Connection], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fast, _ = two_servers
+    stream_id = 4 * next(_STREAM_NUMBERS)
+    _, header_block = pylsqpack.Encoder().encode(stream_id, GOOD_HEAD)
+    wire = encode_frame(FrameType.HEADERS, header_block) + encode_frame(FrameType.DATA, b"{}")
+
+    def entered(stream_id: int) -> None:
+        raise AssertionError("context manager entered")
+
+    monkeypatch.setattr(fast, "_get_or_create_stream", entered)
+    events = fast.handle_event(StreamDataReceived(data=wire, end_stream=True, stream_id=stream_id))
+    assert [type(event) for event in events] == [HeadersReceived, DataReceived]
+    assert events[-1] == DataReceived(data=b"{}", stream_id=stream_id, stream_ended=True)
+    fast.forget_stream(stream_id)  # the response is done: no state is left
+    assert stream_id not in fast._stream
 
 
 def _aioquic_accepts(check: Callable[..., None], *args: bytes) -> bool:

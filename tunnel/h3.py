@@ -24,6 +24,7 @@ from aioquic.h3.connection import (
     ErrorCode,
     FrameType,
     H3Connection,
+    H3Stream,
     HeadersState,
     MessageError,
     QpackDecompressionFailed,
@@ -207,13 +208,26 @@ class TunnelH3Connection(H3Connection):
                     data=data, push_id=stream.push_id, stream_id=event.stream_id, stream_ended=False
                 )
             ]
-        try:
+        if stream_is_unidirectional(event.stream_id):
             return super()._receive_stream_data(event)
+        try:
+            return self._receive_request_data(event)
         except MessageError as exc:
-            if stream_is_unidirectional(event.stream_id):
-                raise
             self._fail_stream(event.stream_id, end_stream=event.end_stream)
             return [RequestMalformed(stream_id=event.stream_id, reason=exc.reason_phrase)]
+
+    def _receive_request_data(self, event: StreamDataReceived) -> list[H3Event]:
+        """aioquic's `_receive_stream_data` for a request stream, without the generator
+        context manager it enters per chunk (`_get_or_create_stream`), same steps."""
+        stream_id = event.stream_id
+        stream = self._stream.get(stream_id)
+        if stream is None:
+            stream = self._stream[stream_id] = H3Stream(stream_id)
+        try:
+            return self._receive_request_or_push_data(stream, event.data, event.end_stream)
+        finally:
+            if stream.is_ended():
+                self._stream.pop(stream_id)
 
     def _fail_stream(self, stream_id: int, *, end_stream: bool) -> None:
         self._stream.pop(stream_id, None)
