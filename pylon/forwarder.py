@@ -345,8 +345,11 @@ class Forwarder:
         content: bytes | AsyncIterable[bytes],
     ) -> httpx.Response:
         async with map_upstream_errors():
+            deadline_s = self._settings.response_header_timeout_s
+            if deadline_s is None:  # the default: no timer, and no context to enter for it
+                return await self._send(method, url, headers=headers, content=content)
             try:
-                async with asyncio.timeout(self._settings.response_header_timeout_s):
+                async with asyncio.timeout(deadline_s):
                     return await self._send(method, url, headers=headers, content=content)
             except TimeoutError as exc:
                 raise UpstreamTimeout("engine: no response head in time") from exc

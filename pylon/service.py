@@ -161,8 +161,12 @@ class TunnelService:
             if stream.early and stream.head.method not in REPLAY_SAFE_METHODS:
                 raise TooEarly("sent as 0-RTT early data, which can be replayed; resend it")
             self._options.admission.check(stream)
-            async with asyncio.timeout(self._options.total_timeout_s):
+            deadline_s = self._options.total_timeout_s
+            if deadline_s is None:  # the default: no timer, and no context to enter for it
                 await self._serve(stream, exchange)
+            else:
+                async with asyncio.timeout(deadline_s):
+                    await self._serve(stream, exchange)
         except TimeoutError:
             self._fail(stream, exchange, UpstreamTimeout("engine: total deadline exceeded"))
         except PylonError as error:

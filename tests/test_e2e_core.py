@@ -315,3 +315,52 @@ def test_pylon_adds_no_header_and_keeps_no_cookie_between_requests(
                 assert received - framing == {b"host", b"content-type", b"x-request-id"}
 
     run(scenario())
+
+
+def test_an_engine_slow_to_answer_gets_504_at_the_response_header_deadline(
+    tmp_path: Path,
+) -> None:
+    """`upstream.response_header_timeout_s`: the head is 4 s away, the deadline 0.3 s."""
+
+    async def scenario() -> None:
+        engine = MockEngineOptions(tokens=8, token_delay_s=0.5)
+        upstream = {"response_header_timeout_s": 0.3}
+        async with stack(tmp_path, engine=engine, upstream=upstream) as s, s.client() as client:
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            response = await client.request(
+                "POST", CHAT, headers=tunnel_headers("slow-head"), body=CHAT_BODY
+            )
+            body = orjson.loads(await response.read())
+            assert (response.status, body["error"]["code"]) == (504, "upstream_timeout")
+            assert "no response head in time" in body["error"]["message"]
+            assert 0.3 <= loop.time() - started < 3.0
+            assert s.metric("pylon_upstream_errors_total", backend="passthrough", kind="timeout")
+
+    run(scenario())
+
+
+def test_the_total_deadline_answers_504_or_cuts_a_started_stream(tmp_path: Path) -> None:
+    """`upstream.total_timeout_s`: before the head a 504; after it, a reset (a cut body
+    must never end like a whole one), counted as cancelled by the timeout."""
+
+    async def scenario() -> None:
+        engine = MockEngineOptions(tokens=1000, token_delay_s=0.05)
+        upstream = {"total_timeout_s": 0.5}
+        async with stack(tmp_path, engine=engine, upstream=upstream) as s, s.client() as client:
+            response = await client.request(
+                "POST", CHAT, headers=tunnel_headers("slow-whole"), body=CHAT_BODY
+            )
+            body = orjson.loads(await response.read())
+            assert (response.status, body["error"]["code"]) == (504, "upstream_timeout")
+            assert "total deadline exceeded" in body["error"]["message"]
+            streamed = await client.request(
+                "POST", CHAT, headers=tunnel_headers("slow-stream"), body=STREAM_BODY
+            )
+            assert streamed.status == 200
+            with pytest.raises(StreamAborted):
+                async for _ in streamed.chunks():
+                    pass
+            assert s.metric("pylon_cancellations_total", backend="passthrough", by="timeout") == 1
+
+    run(scenario())
