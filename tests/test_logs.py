@@ -290,3 +290,13 @@ def test_access_line_write_error_is_reported_by_logging_not_raised(
     finally:
         root.handlers[:], root.level = saved
     assert "OSError: disk full" in capsys.readouterr().err
+
+
+def test_access_line_goes_through_logging_when_the_handler_has_a_filter() -> None:
+    logger = logging.getLogger("pylon.access.direct")
+    with configured() as stream:
+        (handler,) = logging.getLogger().handlers
+        handler.addFilter(lambda record: getattr(record, "status", 0) != 200)
+        AccessLog(logger, "request finished").write(ACCESS_FIELDS)
+        AccessLog(logger, "request finished").write({**ACCESS_FIELDS, "status": 404})
+    assert [line["status"] for line in lines_of(stream)] == [404]
