@@ -70,6 +70,7 @@ class Pair:
         self.server_events: list[H3Event] = []
         self.server_quic_events: list[QuicEvent] = []
         self.client_quic_events: list[QuicEvent] = []
+        self.client_events: list[H3Event] = []
         self.pump()
 
     def pump(self) -> None:
@@ -97,7 +98,7 @@ class Pair:
             self.server_events.extend(self.server_h3.handle_event(event))
         while (event := self.client.next_event()) is not None:
             self.client_quic_events.append(event)
-            self.client_h3.handle_event(event)
+            self.client_events.extend(self.client_h3.handle_event(event))
 
     def request(self, headers: Iterable[tuple[bytes, bytes]], *, body: bytes = b"") -> int:
         stream_id = self.client.get_next_available_stream_id()
@@ -112,6 +113,26 @@ class Pair:
     @property
     def server_open(self) -> bool:
         return not self.server._close_pending and self.server._close_event is None
+
+
+def started_responses(pair: Pair) -> tuple[int, int]:
+    """Two requests answered with a 200 head: one for Pylon's methods, one for aioquic's."""
+    fast, reference = pair.request(GOOD_HEAD), pair.request(GOOD_HEAD)
+    for stream_id in (fast, reference):
+        pair.server_h3.send_headers(stream_id, [(b":status", b"200")])
+    return fast, reference
+
+
+def client_data(pair: Pair, stream_id: int) -> list[DataReceived]:
+    return [
+        event
+        for event in pair.client_events
+        if isinstance(event, DataReceived) and event.stream_id == stream_id
+    ]
+
+
+def client_body(pair: Pair, stream_id: int) -> bytes:
+    return b"".join(event.data for event in client_data(pair, stream_id))
 
 
 MALFORMED = {
@@ -204,21 +225,10 @@ def test_body_data_is_framed_as_aioquic_frames_it(tmp_path: Path) -> None:
 
     assert body_frames(fast) == body_frames(reference)
     assert len(body_frames(fast)) > sum(map(len, chunks))
-    received = bytearray()
-    original = pair.client_h3.handle_event
-
-    def collect(event: QuicEvent) -> list[H3Event]:
-        events = original(event)
-        for h3_event in events:
-            if isinstance(h3_event, DataReceived) and h3_event.stream_id == fast:
-                received.extend(h3_event.data)
-        return events
-
-    pair.client_h3.handle_event = collect  # type: ignore[method-assign]
     pair.server_h3.send_data(fast, b"", end_stream=True)
     for _ in range(20):
         pair.pump()
-    assert bytes(received) == b"".join(chunks)
+    assert client_body(pair, fast) == b"".join(chunks)
 
 
 BODY_SPLITS = st.lists(st.integers(min_value=0, max_value=5_000), min_size=1, max_size=12)
@@ -265,40 +275,34 @@ def test_body_fragments_give_the_events_aioquic_gives(
     assert body[-1].stream_ended
 
 
-def test_a_body_fragment_skips_the_stream_context_manager(
+def test_a_request_never_enters_the_stream_context_manager(
     two_servers: tuple[H3Connection, H3Connection], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Its head, a body fragment inside a DATA frame, and the rest with the FIN."""
     fast, _ = two_servers
     stream_id = 4 * next(_STREAM_NUMBERS)
     _, header_block = pylsqpack.Encoder().encode(stream_id, GOOD_HEAD)
-    start = encode_frame(FrameType.HEADERS, header_block) + encode_frame(FrameType.DATA, b"a" * 100)
-    fast.handle_event(StreamDataReceived(data=start[:-50], end_stream=False, stream_id=stream_id))
+    wire = encode_frame(FrameType.HEADERS, header_block) + encode_frame(FrameType.DATA, b"a" * 100)
 
     def entered(stream_id: int) -> None:
         raise AssertionError("context manager entered")
 
     monkeypatch.setattr(fast, "_get_or_create_stream", entered)
-    events = fast.handle_event(
-        StreamDataReceived(data=b"a" * 20, end_stream=False, stream_id=stream_id)
-    )
-    assert events == [DataReceived(data=b"a" * 20, stream_id=stream_id, stream_ended=False)]
-
-
-def test_a_whole_request_skips_the_stream_context_manager(
-    two_servers: tuple[H3Connection, H3Connection], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    fast, _ = two_servers
-    stream_id = 4 * next(_STREAM_NUMBERS)
-    _, header_block = pylsqpack.Encoder().encode(stream_id, GOOD_HEAD)
-    wire = encode_frame(FrameType.HEADERS, header_block) + encode_frame(FrameType.DATA, b"{}")
-
-    def entered(stream_id: int) -> None:
-        raise AssertionError("context manager entered")
-
-    monkeypatch.setattr(fast, "_get_or_create_stream", entered)
-    events = fast.handle_event(StreamDataReceived(data=wire, end_stream=True, stream_id=stream_id))
-    assert [type(event) for event in events] == [HeadersReceived, DataReceived]
-    assert events[-1] == DataReceived(data=b"{}", stream_id=stream_id, stream_ended=True)
+    events = [
+        *fast.handle_event(
+            StreamDataReceived(data=wire[:-50], end_stream=False, stream_id=stream_id)
+        ),
+        *fast.handle_event(
+            StreamDataReceived(data=wire[-50:-30], end_stream=False, stream_id=stream_id)
+        ),
+        *fast.handle_event(
+            StreamDataReceived(data=wire[-30:], end_stream=True, stream_id=stream_id)
+        ),
+    ]
+    assert isinstance(events[0], HeadersReceived)
+    assert events[2] == DataReceived(data=b"a" * 20, stream_id=stream_id, stream_ended=False)
+    assert b"".join(e.data for e in events if isinstance(e, DataReceived)) == b"a" * 100
+    assert events[-1].stream_ended  # type: ignore[attr-defined]
     fast.forget_stream(stream_id)  # the response is done: no state is left
     assert stream_id not in fast._stream
 
@@ -351,30 +355,18 @@ def test_a_field_aioquic_rejects_gets_aioquics_own_error(
 def test_the_end_of_a_chunked_body_is_a_bare_fin(tmp_path: Path) -> None:
     """The same bytes as aioquic's, less its empty DATA frame; the client sees the end."""
     pair = Pair(tmp_path)
-    fast, reference = pair.request(GOOD_HEAD), pair.request(GOOD_HEAD)
+    fast, reference = started_responses(pair)
     for stream_id in (fast, reference):
-        pair.server_h3.send_headers(stream_id, [(b":status", b"200")])
         pair.server_h3.send_data(stream_id, b"body", end_stream=False)
     pair.server_h3.send_data(fast, b"", end_stream=True)
     H3Connection.send_data(pair.server_h3, reference, b"", end_stream=True)
     sent = {sid: bytes(pair.server._streams[sid].sender._buffer) for sid in (fast, reference)}
     assert sent[fast] + encode_frame(FrameType.DATA, b"") == sent[reference]
     assert pair.server._streams[fast].sender._buffer_fin == len(sent[fast])
-    received: dict[int, list[DataReceived]] = {fast: [], reference: []}
-    original = pair.client_h3.handle_event
-
-    def collect(event: QuicEvent) -> list[H3Event]:
-        events = original(event)
-        for h3_event in events:
-            if isinstance(h3_event, DataReceived) and h3_event.stream_id in received:
-                received[h3_event.stream_id].append(h3_event)
-        return events
-
-    pair.client_h3.handle_event = collect  # type: ignore[method-assign]
     pair.pump()
-    for events in received.values():
-        assert b"".join(event.data for event in events) == b"body"
-        assert events[-1].stream_ended
+    for stream_id in (fast, reference):
+        assert client_body(pair, stream_id) == b"body"
+        assert client_data(pair, stream_id)[-1].stream_ended
     assert pair.server_h3.tracked_stream_count == 0  # both dropped once done both ways
     with pytest.raises(FrameUnexpected, match="not allowed"):  # aioquic's own error
         pair.server_h3.send_data(fast, b"", end_stream=True)
@@ -412,9 +404,7 @@ def test_qpack_streams_carry_only_real_instructions(tmp_path: Path) -> None:
 
 def test_last_bytes_with_the_fin_are_framed_as_aioquic_frames_them(tmp_path: Path) -> None:
     pair = Pair(tmp_path)
-    fast, reference = pair.request(GOOD_HEAD), pair.request(GOOD_HEAD)
-    for stream_id in (fast, reference):
-        pair.server_h3.send_headers(stream_id, [(b":status", b"200")])
+    fast, reference = started_responses(pair)
     pair.server_h3.send_data(fast, b"tail", end_stream=True)
     H3Connection.send_data(pair.server_h3, reference, b"tail", end_stream=True)
     senders = {sid: pair.server._streams[sid].sender for sid in (fast, reference)}
@@ -452,18 +442,15 @@ def test_response_heads_are_framed_as_aioquic_frames_them(
     assert (states[fast] is None) == (states[reference] is None)
     if states[fast] is not None and states[reference] is not None:
         assert states[fast].headers_send_state == states[reference].headers_send_state
-    received: dict[int, list[list[tuple[bytes, bytes]]]] = {fast: [], reference: []}
-    original = pair.client_h3.handle_event
-
-    def collect(event: QuicEvent) -> list[H3Event]:
-        events = original(event)
-        for h3_event in events:
-            if isinstance(h3_event, HeadersReceived) and h3_event.stream_id in received:
-                received[h3_event.stream_id].append(list(h3_event.headers))
-        return events
-
-    pair.client_h3.handle_event = collect  # type: ignore[method-assign]
     pair.pump()
+    received = {
+        stream_id: [
+            list(event.headers)
+            for event in pair.client_events
+            if isinstance(event, HeadersReceived) and event.stream_id == stream_id
+        ]
+        for stream_id in (fast, reference)
+    }
     assert received[fast] == received[reference] == [headers for headers, _ in heads]
 
 

@@ -225,40 +225,35 @@ LAST_BYTES = {
 """The engine's writes, 50 ms apart; the last one ends the body."""
 
 
-@pytest.mark.parametrize("writes", LAST_BYTES.values(), ids=LAST_BYTES.keys())
-def test_the_last_bytes_reach_the_sink_with_the_end(writes: list[bytes]) -> None:
-    """So the tunnel sends them in one DATA frame with the FIN, not in two writes."""
+def relayed_paced(writes: list[bytes]) -> Sink:
+    """What a sink got from an engine writing `writes` 50 ms apart."""
 
     async def paced(exchange: Exchange) -> None:
         await write_paced(exchange, writes)
 
-    async def scenario() -> None:
+    async def scenario() -> Sink:
         async with Engine(paced) as engine, pooled() as h11_transport:
             sink = Sink()
             await relay(h11_transport, engine.url, sink)
-            assert (sink.body, sink.order) == (b"ok", ["end"])
+            return sink
 
-    run(scenario())
+    return run(scenario())
+
+
+@pytest.mark.parametrize("writes", LAST_BYTES.values(), ids=LAST_BYTES.keys())
+def test_the_last_bytes_reach_the_sink_with_the_end(writes: list[bytes]) -> None:
+    """So the tunnel sends them in one DATA frame with the FIN, not in two writes."""
+    sink = relayed_paced(writes)
+    assert (sink.body, sink.order) == (b"ok", ["end"])
 
 
 def test_an_end_in_a_read_of_its_own_still_ends_the_sink() -> None:
     """The last bytes are written when they come; the end follows on its own read."""
-    writes = [
-        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nok\r\n",
-        b"0\r\n\r\n",
-    ]
-
-    async def paced(exchange: Exchange) -> None:
-        await write_paced(exchange, writes)
-
-    async def scenario() -> None:
-        async with Engine(paced) as engine, pooled() as h11_transport:
-            sink = Sink()
-            await relay(h11_transport, engine.url, sink)
-            assert (sink.body, sink.ended) == (b"ok", 1)
-            assert sink.order[0] == "write" and sink.order[-1] == "end"
-
-    run(scenario())
+    sink = relayed_paced(
+        [b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nok\r\n", b"0\r\n\r\n"]
+    )
+    assert (sink.body, sink.ended) == (b"ok", 1)
+    assert sink.order[0] == "write" and sink.order[-1] == "end"
 
 
 def test_a_backlogged_sink_stops_reading_the_engine_and_loses_nothing() -> None:
