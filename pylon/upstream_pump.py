@@ -74,8 +74,12 @@ class BodyPump:
         self._unwritten = b""
         """Body bytes the parser gave out that the backlogged sink has not taken yet."""
         self.error: BaseException | None = None
-        if idle_timeout_s is not None:
-            self._idle_timer = self._loop.call_later(idle_timeout_s, self._check_idle)
+
+    def watch_idle(self) -> None:
+        """Start the idle budget: for a body that did not come whole with the head."""
+        if self._idle_timeout_s is not None and not self.done:
+            delay = self._last_data_at + self._idle_timeout_s - self._loop.time()
+            self._idle_timer = self._loop.call_later(delay, self._check_idle)
 
     def received(self, data: bytes) -> None:
         """One socket read: counted as read, parsed, and written out unless backlogged."""
@@ -236,6 +240,8 @@ async def relay_body(
         else:
             pump.parse()  # the parser may hold body chunks, even the whole body
         if not pump.done:
+            # A small response is usually whole by now: no timer to arm and cancel.
+            pump.watch_idle()
             reader.pump = pump
             if reader.at_eof():
                 pump.ended()

@@ -24,6 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pylon.upstream_connection import Streams, open_tcp
+from pylon.upstream_pump import BodyPump
 from pylon.upstream_transport import H11Transport, ResponseBody
 from tests.harness import eventually, run
 from tests.test_upstream_transport import (
@@ -225,7 +226,7 @@ LAST_BYTES = {
 """The engine's writes, 50 ms apart; the last one ends the body."""
 
 
-def relayed_paced(writes: list[bytes]) -> Sink:
+def relayed_paced(writes: list[bytes], *, idle_timeout_s: float | None = None) -> Sink:
     """What a sink got from an engine writing `writes` 50 ms apart."""
 
     async def paced(exchange: Exchange) -> None:
@@ -234,7 +235,7 @@ def relayed_paced(writes: list[bytes]) -> Sink:
     async def scenario() -> Sink:
         async with Engine(paced) as engine, pooled() as h11_transport:
             sink = Sink()
-            await relay(h11_transport, engine.url, sink)
+            await relay(h11_transport, engine.url, sink, idle_timeout_s=idle_timeout_s)
             return sink
 
     return run(scenario())
@@ -245,6 +246,25 @@ def test_the_last_bytes_reach_the_sink_with_the_end(writes: list[bytes]) -> None
     """So the tunnel sends them in one DATA frame with the FIN, not in two writes."""
     sink = relayed_paced(writes)
     assert (sink.body, sink.order) == (b"ok", ["end"])
+
+
+def test_a_body_whole_with_the_head_arms_no_idle_timer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The idle budget is watched only for a body still to come (it is timed from the
+    last bytes either way, so the deadline does not move)."""
+    armed: list[bool] = []
+    watch_idle = BodyPump.watch_idle
+
+    def spy(pump: BodyPump) -> None:
+        watch_idle(pump)
+        armed.append(pump._idle_timer is not None)
+
+    monkeypatch.setattr(BodyPump, "watch_idle", spy)
+    whole = relayed_paced([b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"], idle_timeout_s=5)
+    assert (whole.body, armed) == (b"ok", [])
+    later = relayed_paced(
+        [b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n", b"ok"], idle_timeout_s=5
+    )
+    assert (later.body, armed) == (b"ok", [True])
 
 
 def test_an_end_in_a_read_of_its_own_still_ends_the_sink() -> None:
