@@ -75,14 +75,33 @@ class JsonFormatter(logging.Formatter):
             self._second_text = (second, text)
         return f"{text}.{int(msecs):03d}Z"
 
-    def format(self, record: logging.LogRecord) -> str:
-        line: dict[str, Any] = {
-            "ts": self._timestamp(record.created, record.msecs),
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "msg": record.getMessage(),
-            **_extra_fields(record),
+    def _line(
+        self,
+        *,
+        created: float,
+        msecs: float,
+        level: str,
+        logger: str,
+        msg: str,
+        fields: Mapping[str, Any],
+    ) -> dict[str, Any]:
+        return {
+            "ts": self._timestamp(created, msecs),
+            "level": level,
+            "logger": logger,
+            "msg": msg,
+            **_loggable(fields),
         }
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = self._line(
+            created=record.created,
+            msecs=record.msecs,
+            level=record.levelname.lower(),
+            logger=record.name,
+            msg=record.getMessage(),
+            fields=vars(record),
+        )
         if record.exc_info:
             line["exc"] = self.formatException(record.exc_info)
         return orjson.dumps(line, default=str).decode()
@@ -92,14 +111,11 @@ class JsonFormatter(logging.Formatter):
     ) -> str:
         """The line `format` gives an info record of `logger` made at `created` with
         `fields` as its extras, without the record."""
-        line: dict[str, Any] = {
-            # logging's own `msecs` (3.11): whole milliseconds of `created`.
-            "ts": self._timestamp(created, int((created - int(created)) * 1000)),
-            "level": "info",
-            "logger": logger,
-            "msg": msg,
-            **_loggable(fields),
-        }
+        # logging's own `msecs` (3.11): whole milliseconds of `created`.
+        msecs = int((created - int(created)) * 1000)
+        line = self._line(
+            created=created, msecs=msecs, level="info", logger=logger, msg=msg, fields=fields
+        )
         return orjson.dumps(line, default=str).decode()
 
 
@@ -109,11 +125,14 @@ class JsonLinesHandler(logging.StreamHandler):  # type: ignore[type-arg]
 
     def __init__(self, stream: TextIO) -> None:
         super().__init__(stream)
-        self.json = JsonFormatter()
-        self.setFormatter(self.json)
+        self.setFormatter(JsonFormatter())
 
     def write_fields(self, *, logger: str, msg: str, fields: Mapping[str, Any]) -> None:
-        text = self.json.format_fields(created=time.time(), logger=logger, msg=msg, fields=fields)
+        """Only while the handler still formats with a `JsonFormatter` (`AccessLog` checks)."""
+        formatter = self.formatter
+        if not isinstance(formatter, JsonFormatter):
+            raise TypeError("the handler's formatter was replaced")
+        text = formatter.format_fields(created=time.time(), logger=logger, msg=msg, fields=fields)
         self.acquire()
         try:
             self.stream.write(text + self.terminator)
@@ -162,7 +181,12 @@ def _sole_json_handler(logger: logging.Logger) -> JsonLinesHandler | None:
     if node is None or root.filters or len(root.handlers) != 1:
         return None
     (handler,) = root.handlers
-    if type(handler) is not JsonLinesHandler or handler.filters or handler.level > logging.INFO:
+    if (
+        type(handler) is not JsonLinesHandler
+        or type(handler.formatter) is not JsonFormatter
+        or handler.filters
+        or handler.level > logging.INFO
+    ):
         return None
     return handler
 

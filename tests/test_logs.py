@@ -300,3 +300,12 @@ def test_access_line_goes_through_logging_when_the_handler_has_a_filter() -> Non
         AccessLog(logger, "request finished").write(ACCESS_FIELDS)
         AccessLog(logger, "request finished").write({**ACCESS_FIELDS, "status": 404})
     assert [line["status"] for line in lines_of(stream)] == [404]
+
+
+def test_access_line_follows_a_formatter_set_on_the_handler() -> None:
+    logger = logging.getLogger("pylon.access.direct")
+    with configured() as stream:
+        (handler,) = logging.getLogger().handlers
+        handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+        AccessLog(logger, "request finished").write(ACCESS_FIELDS)
+    assert stream.getvalue() == "INFO request finished\n"
