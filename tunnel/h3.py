@@ -131,8 +131,7 @@ class TunnelH3Connection(H3Connection):
         frame = b"".join((_DATA_FRAME_TYPE, encode_uint_var(len(data)), data)) if data else b""
         if end_stream:
             stream.finish_sending()
-            if stream.is_ended():  # what aioquic's context manager does on the way out
-                self._stream.pop(stream_id)
+            self._drop_if_ended(stream)
         self._quic.send_stream_data(stream_id, frame, end_stream)
 
     def send_headers(self, stream_id: int, headers: Headers, end_stream: bool = False) -> None:
@@ -155,8 +154,7 @@ class TunnelH3Connection(H3Connection):
             frame_data = self._encode_headers(stream_id, headers)
             stream.headers_send_state = HeadersState.AFTER_HEADERS
         finally:
-            if stream.is_ended():  # what aioquic's context manager does on the way out
-                self._stream.pop(stream_id)
+            self._drop_if_ended(stream)
         frame = b"".join((_HEADERS_FRAME_TYPE, encode_uint_var(len(frame_data)), frame_data))
         self._quic.send_stream_data(stream_id, frame, end_stream)
 
@@ -226,8 +224,13 @@ class TunnelH3Connection(H3Connection):
         try:
             return self._receive_request_or_push_data(stream, event.data, event.end_stream)
         finally:
-            if stream.is_ended():
-                self._stream.pop(stream_id)
+            self._drop_if_ended(stream)
+
+    def _drop_if_ended(self, stream: H3Stream) -> None:
+        """Forget a stream done both ways: what aioquic's `_get_or_create_stream` does on
+        the way out, for the methods here that do its work without it."""
+        if stream.is_ended():
+            self._stream.pop(stream.stream_id, None)
 
     def _fail_stream(self, stream_id: int, *, end_stream: bool) -> None:
         self._stream.pop(stream_id, None)
@@ -247,8 +250,7 @@ class TunnelH3Connection(H3Connection):
         if stream is None:
             return
         stream.sending_ended = True
-        if stream.is_ended():
-            self._stream.pop(stream_id, None)
+        self._drop_if_ended(stream)
 
     @property
     def tracked_stream_count(self) -> int:
