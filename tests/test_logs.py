@@ -43,32 +43,36 @@ ACCESS_FIELDS: dict[str, Any] = {
 }
 
 
-@pytest.fixture
-def root_logging() -> Iterator[None]:
-    """Restore the root logger and the noisy loggers after configure_logging."""
+@contextlib.contextmanager
+def restored_logging() -> Iterator[None]:
+    """Put the root logger and the noisy loggers back as they were (configure_logging
+    changes them)."""
     root = logging.getLogger()
     saved = (root.handlers[:], root.level)
     noisy = {name: logging.getLogger(name).level for name in NOISY_LOGGERS}
-    yield
-    root.handlers[:], root.level = saved[0], saved[1]
-    for name, level in noisy.items():
-        logging.getLogger(name).setLevel(level)
+    try:
+        yield
+    finally:
+        root.handlers[:], root.level = saved
+        for name, level in noisy.items():
+            logging.getLogger(name).setLevel(level)
+
+
+@pytest.fixture
+def root_logging() -> Iterator[None]:
+    with restored_logging():
+        yield
 
 
 @contextlib.contextmanager
-def configured(*, human: bool = False, level: str = "info") -> Iterator[io.StringIO]:
+def configured(
+    *, human: bool = False, level: str = "info", stream: io.StringIO | None = None
+) -> Iterator[io.StringIO]:
     """configure_logging into a string, the root logger restored afterwards."""
-    root = logging.getLogger()
-    saved = (root.handlers[:], root.level)
-    noisy = {name: logging.getLogger(name).level for name in NOISY_LOGGERS}
-    stream = io.StringIO()
-    configure_logging(level=level, human=human, stream=stream)
-    try:
-        yield stream
-    finally:
-        root.handlers[:], root.level = saved[0], saved[1]
-        for name, level_before in noisy.items():
-            logging.getLogger(name).setLevel(level_before)
+    target = stream if stream is not None else io.StringIO()
+    with restored_logging():
+        configure_logging(level=level, human=human, stream=target)
+        yield target
 
 
 def lines_of(stream: io.StringIO) -> list[dict[str, Any]]:
@@ -282,13 +286,8 @@ def test_access_line_write_error_is_reported_by_logging_not_raised(
             raise OSError("disk full")
 
     logger = logging.getLogger("pylon.access.direct")
-    root = logging.getLogger()
-    saved = (root.handlers[:], root.level)
-    configure_logging(level="info", human=False, stream=Broken())
-    try:
+    with configured(stream=Broken()):
         AccessLog(logger, "request finished").write(ACCESS_FIELDS)
-    finally:
-        root.handlers[:], root.level = saved
     assert "OSError: disk full" in capsys.readouterr().err
 
 
