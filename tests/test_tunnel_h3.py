@@ -428,7 +428,7 @@ HEAD_SEQUENCES = {
 def test_response_heads_are_framed_as_aioquic_frames_them(
     tmp_path: Path, heads: list[tuple[list[tuple[bytes, bytes]], bool]]
 ) -> None:
-    """Same stream bytes, FIN and H3 state as aioquic's own `send_headers`."""
+    """The same FIN, H3 state and decoded heads as aioquic's own `send_headers`."""
     pair = Pair(tmp_path)
     fast, reference = pair.request(GOOD_HEAD), pair.request(GOOD_HEAD)
     for headers, end in heads:
